@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a virtual environment in .venv, torch==2.13.0 (CPU)
+# first so nothing pulls a CUDA build, then this package with its test tools.
+# Usage: launch/setup.sh            (re-running does nothing when all is in place)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${LLMTRAIN_VENV:-$root/.venv}"
+stamp="$venv/.llmtrain-setup"
+want="$(sha1sum "$root/pyproject.toml" "$root/launch/setup.sh" | sha1sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+python="${PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# 1. torch pinned first (the CPU wheel on disk; a CUDA build is several GB).
+"${pip[@]}" "torch==${LLMTRAIN_TORCH:-2.13.0}"
+# 2. the package and its tools, with torch held where it is.
+echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$venv/torch-pin.txt"
+"${pip[@]}" -c "$venv/torch-pin.txt" -e "$root[dev,train]" "transformers==5.24.0"
+echo "$want" > "$stamp"

@@ -1,0 +1,375 @@
+"""Typed config tree: dataclasses own the fields, YAML in configs/ is data loaded into them.
+
+Why a hand-rolled loader rather than a framework: the tree is small, the rules are few
+(unknown keys are errors, `a.b=c` overrides are parsed as YAML scalars, every cross-field
+check raises a ValueError that names the field and says how to fix it), and the same
+dataclasses are read by the accounting code without building a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROPE_TYPES = ("default", "yarn")
+SCORING_FUNCS = ("sigmoid", "softmax")
+ATTN_BACKENDS = ("auto", "sdpa", "flash", "reference")
+MOE_IMPLS = ("auto", "grouped_mm", "loop")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and what to change."""
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding of the decoupled rope dims (qk_rope_head_dim) only."""
+
+    theta: float = 10000.0
+    type: str = "default"  # "default" | "yarn"
+    interleave: bool = True  # DeepSeek pairs (x0,x1),(x2,x3)...; False: half rotation
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def validate(self, prefix: str = "model.rope") -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(f"{prefix}.type={self.type!r} is unknown; use one of {ROPE_TYPES}")
+        _positive(prefix, "theta", self.theta)
+        if self.type == "yarn":
+            if self.factor < 1:
+                raise ConfigError(f"{prefix}.factor={self.factor} must be >= 1 for YaRN")
+            _positive(
+                prefix, "original_max_position_embeddings", self.original_max_position_embeddings
+            )
+            if self.beta_fast <= self.beta_slow:
+                raise ConfigError(
+                    f"{prefix}.beta_fast ({self.beta_fast}) must be larger than "
+                    f"{prefix}.beta_slow ({self.beta_slow})"
+                )
+
+
+@dataclass
+class ModelConfig:
+    """MLA + DeepSeekMoE decoder. Field names follow DeepseekV3Config where one exists."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 256
+    intermediate_size: int = 1024  # dense FFN width (the first_k_dense_replace layers)
+    moe_intermediate_size: int = 256  # width of one routed / shared expert
+    num_layers: int = 4
+    num_heads: int = 8
+    # MLA
+    q_lora_rank: int | None = 128  # None: plain q projection
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    # DeepSeekMoE
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "sigmoid"  # "sigmoid" (V3) | "softmax" (V2)
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 1
+    bias_update_speed: float = 0.001  # gamma of the aux-loss-free balancing rule; 0 disables
+    aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight; 0 disables
+    router_z_loss_coef: float = 0.0
+    # multi-token prediction
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    init_std: float = 0.02
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attn_backend: str = "auto"  # "auto" | "sdpa" | "flash" | "reference"
+    moe_impl: str = "auto"  # "auto" | "grouped_mm" | "loop"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+            "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "max_position_embeddings", "rms_norm_eps", "init_std", "routed_scaling_factor",
+        ):  # fmt: skip
+            _positive(prefix, name, getattr(self, name))
+        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"{prefix}.qk_rope_head_dim={self.qk_rope_head_dim} must be a positive even number "
+                "(rotary dims come in pairs)"
+            )
+        if self.q_lora_rank is not None:
+            _positive(prefix, "q_lora_rank", self.q_lora_rank)
+        for name in ("n_shared_experts", "first_k_dense_replace", "mtp_depth"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be >= 0")
+        for name in (
+            "bias_update_speed",
+            "aux_loss_alpha",
+            "router_z_loss_coef",
+            "mtp_loss_weight",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be >= 0")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"{prefix}.num_heads={self.num_heads} does not divide "
+                f"{prefix}.hidden_size={self.hidden_size}; pick a head count that divides the width"
+            )
+        if self.first_k_dense_replace > self.num_layers:
+            raise ConfigError(
+                f"{prefix}.first_k_dense_replace={self.first_k_dense_replace} exceeds "
+                f"{prefix}.num_layers={self.num_layers}"
+            )
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(
+                f"{prefix}.scoring_func={self.scoring_func!r} is unknown; use one of {SCORING_FUNCS}"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"{prefix}.num_experts_per_tok={self.num_experts_per_tok} > "
+                f"{prefix}.n_routed_experts={self.n_routed_experts}; lower top-k or add experts"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"{prefix}.n_routed_experts={self.n_routed_experts} is not divisible by "
+                f"{prefix}.n_group={self.n_group}; choose n_group dividing the expert count"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(
+                f"{prefix}.topk_group={self.topk_group} > {prefix}.n_group={self.n_group}; "
+                "topk_group is how many of the n_group groups a token may use"
+            )
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and self.scoring_func == "sigmoid" and per_group < 2:
+            raise ConfigError(
+                f"{prefix}: sigmoid group-limited routing scores a group by its top-2 experts, "
+                f"so each group needs >= 2 experts (have {per_group}); lower {prefix}.n_group"
+            )
+        if self.topk_group * per_group < self.num_experts_per_tok:
+            raise ConfigError(
+                f"{prefix}: topk_group={self.topk_group} groups of {per_group} experts hold fewer "
+                f"than num_experts_per_tok={self.num_experts_per_tok}; raise topk_group"
+            )
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ConfigError(
+                f"{prefix}.attn_backend={self.attn_backend!r} is unknown; use one of {ATTN_BACKENDS}"
+            )
+        if self.moe_impl not in MOE_IMPLS:
+            raise ConfigError(
+                f"{prefix}.moe_impl={self.moe_impl!r} is unknown; use one of {MOE_IMPLS}"
+            )
+        self.rope.validate(prefix + ".rope")
+
+
+@dataclass
+class TrainConfig:
+    """What one optimisation run is; the trainer (training issue) reads more of it."""
+
+    seq_len: int = 256
+    global_batch_size: int = 8  # sequences per optimizer step, independent of world size
+    micro_batch_size: int = 4  # sequences per rank per forward
+    max_steps: int = 100
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # "cosine" | "wsd" | "inv_sqrt"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1234
+    dtype: str = "fp32"  # "fp32" | "bf16"
+    log_every: int = 1
+
+    def validate(self, prefix: str = "train") -> None:
+        for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps", "log_every"):
+            _positive(prefix, name, getattr(self, name))
+        if self.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
+        if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
+            raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
+
+
+@dataclass
+class ParallelConfig:
+    zero_stage: int = 1
+    ep_size: int = 1
+
+    def validate(self, prefix: str = "parallel") -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{prefix}.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
+        _positive(prefix, "ep_size", self.ep_size)
+
+
+@dataclass
+class Config:
+    """The whole tree; YAML files give any subset of it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> Config:
+        self.model.validate()
+        self.train.validate()
+        self.parallel.validate()
+        if self.train.seq_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; shorten the sequences or raise the limit"
+            )
+        if self.model.n_routed_experts % self.parallel.ep_size:
+            raise ConfigError(
+                f"parallel.ep_size={self.parallel.ep_size} must divide model.n_routed_experts="
+                f"{self.model.n_routed_experts}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _positive(prefix: str, name: str, value: Any) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{prefix}.{name}={value} must be positive")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    base, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} may not be null")
+    if dataclasses.is_dataclass(base):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+        return from_dict(base, value, where)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        return value
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    return value  # lists, dicts, Any: taken as given
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys are errors that list the known ones."""
+    types_ = _field_types(cls)
+    unknown = sorted(set(data) - set(types_))
+    if unknown:
+        loc = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown key(s) {', '.join(loc + k for k in unknown)}; "
+            f"known keys{' of ' + where if where else ''}: {', '.join(sorted(types_))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, types_[name], f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=c` strings to a nested dict; values are parsed as YAML scalars (1, 1e-3, true, null)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (optional), apply `a.b=c` overrides, build the tree and validate it."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    return from_dict(Config, data).validate()

@@ -1,0 +1,345 @@
+"""Hugging Face DeepseekV3 / DeepseekV2 format: config fields and weight names, both directions.
+
+Our parameter names equal HF's except the routed experts (stacked here, per-expert on disk)
+and the MTP modules (our `mtp.{k}` is HF's `model.layers.{L+k}`).
+
+Shape legend: E experts, D hidden, F expert width.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.config import ModelConfig, RopeConfig
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+# ---------------------------------------------------------------- config
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    src = {**legacy, **params}
+    theta = src.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope = RopeConfig(
+        theta=float(theta),
+        type=kind,
+        interleave=bool(hf.get("rope_interleave", True)),
+    )
+    if kind == "yarn":
+        factor = src.get("factor")
+        orig = src.get("original_max_position_embeddings")
+        if factor is None:
+            factor = hf["max_position_embeddings"] / orig
+        rope.factor = float(factor)
+        rope.original_max_position_embeddings = int(orig)
+        rope.beta_fast = float(src.get("beta_fast") or 32)
+        rope.beta_slow = float(src.get("beta_slow") or 1)
+        rope.mscale = float(src.get("mscale") or 0)
+        rope.mscale_all_dim = float(src.get("mscale_all_dim") or 0)
+    elif kind != "default":
+        raise ValueError(f"rope type {kind!r} in the HF config is not supported (default or yarn)")
+    return rope
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Map a DeepseekV3/V2 `config.json` dict onto ModelConfig (V2: softmax gating, interleaved)."""
+    mtype = hf.get("model_type", "deepseek_v3")
+    if mtype not in ("deepseek_v3", "deepseek_v2"):
+        raise ValueError(f"model_type {mtype!r} is not DeepseekV3 or DeepseekV2")
+    v2 = mtype == "deepseek_v2"
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if kv_heads != heads:
+        raise ValueError("MLA has one latent for all heads; num_key_value_heads must equal heads")
+    n_group = hf.get("n_group") or 1
+    topk_group = hf.get("topk_group") or 1
+    if v2 and hf.get("topk_method", "greedy") == "greedy":
+        n_group, topk_group = 1, 1
+    norm_topk = bool(hf.get("norm_topk_prob", not v2))
+    if v2 and norm_topk:
+        # transformers' DeepseekV2 router never renormalises; follow it so logits match.
+        logger.warning(
+            "DeepseekV2 config sets norm_topk_prob, which transformers ignores; so do we"
+        )
+        norm_topk = False
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        n_routed_experts=hf["n_routed_experts"],
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        n_group=n_group,
+        topk_group=topk_group,
+        scoring_func="softmax" if v2 else "sigmoid",
+        norm_topk_prob=norm_topk,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+        bias_update_speed=0.0 if v2 else 0.001,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        rope=_rope_from_hf(hf),
+    )
+    if v2:
+        cfg.rope.interleave = True  # V2 always rotates complex pairs
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported (DeepSeek models have none)")
+    cfg.validate()
+    return cfg
+
+
+def hf_config_from_model(cfg: ModelConfig, mtp: bool = False) -> dict[str, Any]:
+    """The config.json stock transformers reads: V3 for sigmoid gating, V2 for softmax.
+
+    Writes both the current `rope_parameters` and the legacy `rope_theta`/`rope_scaling` keys,
+    so older transformers releases read the same RoPE.
+    """
+    v2 = cfg.scoring_func == "softmax"
+    r = cfg.rope
+    rope_params: dict[str, Any] = {"rope_type": r.type, "rope_theta": r.theta}
+    legacy = None
+    if r.type == "yarn":
+        extra = {
+            "factor": r.factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+            "beta_fast": r.beta_fast,
+            "beta_slow": r.beta_slow,
+            "mscale": r.mscale,
+            "mscale_all_dim": r.mscale_all_dim,
+        }
+        rope_params.update(extra)
+        legacy = {"type": "yarn", "rope_type": "yarn", **extra}
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v2" if v2 else "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "rope_parameters": rope_params,
+        "rope_theta": r.theta,
+        "rope_scaling": legacy,
+    }
+    if v2:
+        if cfg.norm_topk_prob:
+            raise ValueError(
+                "softmax gating with norm_topk_prob=true has no DeepseekV2 equivalent in "
+                "transformers (its router never renormalises); set model.norm_topk_prob=false"
+            )
+        grouped = cfg.n_group > 1 and cfg.topk_group < cfg.n_group
+        out["topk_method"] = "group_limited_greedy" if grouped else "greedy"
+    else:
+        out["rope_interleave"] = cfg.rope.interleave
+        out["scoring_func"] = "sigmoid"
+        out["topk_method"] = "noaux_tc"
+        out["num_nextn_predict_layers"] = cfg.mtp_depth if mtp else 0
+    return out
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _mtp_prefix(cfg: ModelConfig, k: int) -> str:
+    return f"model.layers.{cfg.num_layers + k}."
+
+
+def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names (per-expert or fused 3D experts) to ours; MTP layers at index L+k to `mtp.k`."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    mtp_map = {_mtp_prefix(cfg, k): f"mtp.{k}." for k in range(cfg.mtp_depth)}
+    skipped = []
+    for name, t in hf_sd.items():
+        m = _EXPERT_RE.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5.x in-memory layout
+            out[name[: -len("gate_up_proj")] + "w_gate_up"] = t.transpose(1, 2).contiguous()
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            out[name[: -len("down_proj")] + "w_down"] = t.transpose(1, 2).contiguous()
+            continue
+        out[name] = t
+    for prefix, per in experts.items():
+        n = len(per)
+        if sorted(per) != list(range(cfg.n_routed_experts)):
+            raise ValueError(
+                f"{prefix}: found experts {sorted(per)[:5]}... ({n} of "
+                f"{cfg.n_routed_experts}); the checkpoint is missing experts"
+            )
+        gu = [torch.cat([per[e]["gate"].t(), per[e]["up"].t()], dim=1) for e in range(n)]
+        out[prefix + ".w_gate_up"] = torch.stack(gu)
+        out[prefix + ".w_down"] = torch.stack([per[e]["down"].t() for e in range(n)])
+    # MTP renames: model.layers.{L+k}.X -> mtp.k.{block.X | enorm | hnorm | eh_proj | norm}
+    renamed: dict[str, torch.Tensor] = {}
+    for name, t in out.items():
+        for hf_pre, ours in mtp_map.items():
+            if name.startswith(hf_pre):
+                rest = name[len(hf_pre) :]
+                if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+                    name = ours + rest
+                elif rest == "shared_head.norm.weight":
+                    name = ours + "norm.weight"
+                elif rest.startswith(("shared_head.head.", "embed_tokens.")):
+                    name = None  # shared with the main model
+                else:
+                    name = ours + "block." + rest
+                break
+        else:
+            if name.startswith("model.layers."):
+                idx = int(name.split(".")[2])
+                if idx >= cfg.num_layers:  # MTP layers we were not asked to load
+                    skipped.append(name)
+                    name = None
+        if name is not None:
+            renamed[name] = t
+    if skipped:
+        logger.info("ignored %d weights of layers beyond num_layers (MTP not loaded)", len(skipped))
+    if cfg.tie_word_embeddings:
+        renamed.pop("lm_head.weight", None)
+    return renamed
+
+
+def state_dict_to_hf(
+    sd: dict[str, torch.Tensor], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ours to HF's on-disk names, one tensor at a time (experts split per expert)."""
+    for name, t in sd.items():
+        if name.startswith("mtp."):
+            k = int(name.split(".")[1])
+            rest = name.split(".", 2)[2]
+            pre = _mtp_prefix(cfg, k)
+            if rest.startswith("block."):
+                name = pre + rest[len("block.") :]
+            elif rest == "norm.weight":
+                name = pre + "shared_head.norm.weight"
+            else:
+                name = pre + rest
+        if name.endswith("mlp.experts.w_gate_up"):
+            base = name[: -len("w_gate_up")]
+            f = t.shape[-1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :, :f].t().contiguous()
+                yield f"{base}{e}.up_proj.weight", t[e, :, f:].t().contiguous()
+        elif name.endswith("mlp.experts.w_down"):
+            base = name[: -len("w_down")]
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e].t().contiguous()
+        elif cfg.scoring_func == "softmax" and name.endswith("e_score_correction_bias"):
+            if torch.count_nonzero(t):
+                raise ValueError(f"{name} is non-zero but DeepseekV2 has no correction bias")
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        else:
+            yield name, t
+
+
+# ---------------------------------------------------------------- loading
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        fp = path / f
+        if not fp.is_file():
+            raise FileNotFoundError(f"{fp} is listed in the index but missing")
+        sd.update(load_file(str(fp)))
+    return sd
+
+
+def from_pretrained(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    mtp: bool = False,
+):
+    """Load a HF DeepseekV3/V2 checkpoint directory (config.json + safetensors) into our model.
+
+    `mtp=True` also loads the multi-token-prediction layers a DeepSeek-V3 release ships.
+    Returns a `Transformer` in eval mode whose forward(input_ids).logits matches transformers.
+    """
+    from llmtrain.model import build_model
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
+    hf_cfg = json.loads(cfg_file.read_text())
+    cfg = model_config_from_hf(hf_cfg)
+    if mtp:
+        cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
+    model = build_model(cfg, device="meta")
+    sd = state_dict_from_hf(read_safetensors_dir(path), cfg)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights()  # buffers (rope) and anything a V2 checkpoint lacks (the zero bias)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("e_score_correction_bias")]
+    if cfg.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
+    model.to(device=device, dtype=dtype)
+    for m in model.moe_layers():
+        m.gate.float()
+    return model.eval()

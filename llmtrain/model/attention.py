@@ -1,0 +1,220 @@
+"""Multi-head latent attention (MLA) and the attention kernels behind it.
+
+Shape legend: B batch, T query length, S key length (cache + new), D hidden, H heads,
+N qk_nope_head_dim, P qk_rope_head_dim, E = N + P (qk head dim), V v_head_dim,
+Q q_lora_rank, R kv_lora_rank.
+
+Training/prefill expands the latent into per-head K/V and calls a fused kernel. Cached decoding
+works in the latent space ("absorbed" form): q_nope is pushed through W_UK and the output through
+W_UV, so the cache holds only R + P values per token per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.config import ModelConfig
+from llmtrain.model.layers import RMSNorm, apply_rope, softmax_scale
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+_logged: set[str] = set()
+
+
+def _log_choice(name: str, why: str) -> None:
+    if name not in _logged:
+        _logged.add(name)
+        logger.info("attention backend: %s (%s)", name, why)
+
+
+def resolve_backend(requested: str, q: torch.Tensor) -> str:
+    """Pick the kernel at run time; flash-attn only on CUDA in half precision when installed."""
+    if requested == "flash":
+        if not (flash_attn_available() and q.is_cuda):
+            raise RuntimeError(
+                "attn_backend='flash' needs CUDA and the flash-attn package "
+                "(pip install 'llmtrain[gpu]'); use 'auto' or 'sdpa' elsewhere"
+            )
+        return "flash"
+    if requested == "auto":
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+            _log_choice("flash", "CUDA, half precision, flash-attn installed")
+            return "flash"
+        _log_choice("sdpa", f"device={q.device.type}, dtype={q.dtype}")
+        return "sdpa"
+    _log_choice(requested, "requested in config")
+    return requested
+
+
+def reference_attention(
+    q_BHTE: torch.Tensor,
+    k_BHSE: torch.Tensor,
+    v_BHSV: torch.Tensor,
+    scale: float,
+    mask_TS: torch.Tensor | None,
+) -> torch.Tensor:
+    """Plain softmax(QKᵀ·scale + mask)·V in fp32; mask is boolean (True = may attend)."""
+    s = torch.matmul(q_BHTE, k_BHSE.transpose(-1, -2)).float() * scale
+    if mask_TS is not None:
+        s = s.masked_fill(~mask_TS, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v_BHSV.dtype)
+    return torch.matmul(p, v_BHSV)
+
+
+def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """[T, S] boolean mask for T new queries at the end of S keys."""
+    i = torch.arange(t, device=device)[:, None] + (s - t)
+    j = torch.arange(s, device=device)[None, :]
+    return j <= i
+
+
+def attention(
+    q_BHTE: torch.Tensor,
+    k_BHSE: torch.Tensor,
+    v_BHSV: torch.Tensor,
+    scale: float,
+    backend: str,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention through the chosen backend; returns [B, H, T, V].
+
+    `mask` (bool [B or 1, 1, T, S]) replaces the plain causal mask, e.g. for document masking.
+    """
+    backend = resolve_backend(backend, q_BHTE)
+    t, s = q_BHTE.shape[-2], k_BHSE.shape[-2]
+    if backend == "flash" and mask is None and t == s:
+        from flash_attn import flash_attn_func  # optional, CUDA only
+
+        e, v = q_BHTE.shape[-1], v_BHSV.shape[-1]
+        vv = F.pad(v_BHSV, (0, e - v)) if v < e else v_BHSV  # flash-attn wants one head dim
+        out = flash_attn_func(
+            q_BHTE.transpose(1, 2), k_BHSE.transpose(1, 2), vv.transpose(1, 2),
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+        return out[..., :v].transpose(1, 2)
+    if backend in ("sdpa", "flash"):
+        if mask is None and t == s:
+            return F.scaled_dot_product_attention(
+                q_BHTE, k_BHSE, v_BHSV, is_causal=True, scale=scale
+            )
+        m = mask if mask is not None else causal_mask(t, s, q_BHTE.device)
+        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=m, scale=scale)
+    m = mask if mask is not None else causal_mask(t, s, q_BHTE.device)
+    return reference_attention(q_BHTE, k_BHSE, v_BHSV, scale, m)
+
+
+class MLACache:
+    """Per-layer compressed cache: the normalised latent [B, S, R] and the rotated rope key [B, S, P]."""
+
+    def __init__(self, num_layers: int):
+        self.c_kv: list[torch.Tensor | None] = [None] * num_layers
+        self.k_rope: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def seq_len(self) -> int:
+        c = self.c_kv[0]
+        return 0 if c is None else c.shape[1]
+
+    def update(self, layer: int, c_BTR: torch.Tensor, kr_BTP: torch.Tensor):
+        if self.c_kv[layer] is None:
+            self.c_kv[layer], self.k_rope[layer] = c_BTR, kr_BTP
+        else:
+            self.c_kv[layer] = torch.cat([self.c_kv[layer], c_BTR], dim=1)
+            self.k_rope[layer] = torch.cat([self.k_rope[layer], kr_BTP], dim=1)
+        return self.c_kv[layer], self.k_rope[layer]
+
+    def bytes_per_token(self) -> int:
+        total = 0
+        for c, k in zip(self.c_kv, self.k_rope):
+            if c is not None:
+                total += c.shape[-1] * c.element_size() + k.shape[-1] * k.element_size()
+        return total
+
+
+class MLA(nn.Module):
+    """DeepSeek multi-head latent attention; parameter names follow the HF checkpoint layout."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        h, d = cfg.num_heads, cfg.hidden_size
+        self.h, self.n, self.p, self.v, self.r = (
+            h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+        )  # fmt: skip
+        e = self.n + self.p
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * e, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)  # 1e-6 whatever rms_norm_eps
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * e, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.r + self.p, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.r, h * (self.n + self.v), bias=False)
+        self.o_proj = nn.Linear(h * self.v, d, bias=False)
+        self.scale = softmax_scale(cfg)
+
+    def _q(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x_BTD.shape
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BHTE = q.view(b, t, self.h, self.n + self.p).transpose(1, 2)
+        return q_BHTE[..., : self.n], q_BHTE[..., self.n :]
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: MLACache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        interleave = self.cfg.rope.interleave
+        cos1, sin1 = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, P2]
+        qn_BHTN, qr_BHTP = self._q(x_BTD)
+        qr_BHTP = apply_rope(qr_BHTP, cos1, sin1, interleave)
+        ckv = self.kv_a_proj_with_mqa(x_BTD)
+        c_BTR = self.kv_a_layernorm(ckv[..., : self.r])
+        kr_BTP = apply_rope(ckv[..., self.r :].unsqueeze(1), cos1, sin1, interleave).squeeze(1)
+
+        if cache is not None:
+            c_BSR, kr_BSP = cache.update(self.layer_idx, c_BTR, kr_BTP)
+            o_BHTV = self._absorbed(qn_BHTN, qr_BHTP, c_BSR, kr_BSP, mask)
+        else:
+            s = t
+            kv = self.kv_b_proj(c_BTR).view(b, s, self.h, self.n + self.v).transpose(1, 2)
+            kn_BHSN, v_BHSV = kv[..., : self.n], kv[..., self.n :]
+            k_BHSE = torch.cat([kn_BHSN, kr_BTP.unsqueeze(1).expand(b, self.h, s, self.p)], dim=-1)
+            q_BHTE = torch.cat([qn_BHTN, qr_BHTP], dim=-1)
+            o_BHTV = attention(q_BHTE, k_BHSE, v_BHSV, self.scale, self.cfg.attn_backend, mask)
+        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, self.h * self.v))
+
+    def _absorbed(self, qn_BHTN, qr_BHTP, c_BSR, kr_BSP, mask):
+        """Attention in latent space: scores = (q_nope·W_UK)·cᵀ + q_rope·k_ropeᵀ, out = (p·c)·W_UVᵀ."""
+        w = self.kv_b_proj.weight.view(self.h, self.n + self.v, self.r)
+        w_uk_HNR, w_uv_HVR = w[:, : self.n], w[:, self.n :]
+        ql_BHTR = torch.einsum("bhtn,hnr->bhtr", qn_BHTN, w_uk_HNR)
+        s_BHTS = torch.matmul(ql_BHTR, c_BSR.unsqueeze(1).transpose(-1, -2))
+        s_BHTS = s_BHTS + torch.matmul(qr_BHTP, kr_BSP.unsqueeze(1).transpose(-1, -2))
+        s_BHTS = s_BHTS.float() * self.scale
+        t, s = s_BHTS.shape[-2:]
+        m = mask if mask is not None else causal_mask(t, s, s_BHTS.device)
+        p_BHTS = torch.softmax(s_BHTS.masked_fill(~m, float("-inf")), dim=-1).to(c_BSR.dtype)
+        ol_BHTR = torch.matmul(p_BHTS, c_BSR.unsqueeze(1))
+        return torch.einsum("bhtr,hvr->bhtv", ol_BHTR, w_uv_HVR)

@@ -1,0 +1,194 @@
+"""DeepSeekMoE: a router, fine-grained routed experts, shared experts, dropless dispatch.
+
+Shape legend: T tokens (batch × sequence, flattened), D hidden, F expert width, E routed
+experts (El: held by this rank), K experts per token, G groups, M = T·K routed rows.
+
+Dispatch never builds a dense [T, E] one-hot: the T·K assignments are sorted by expert and
+the experts run as one grouped GEMM over contiguous slices (a per-expert loop where grouped_mm
+is unavailable). How sorted rows reach the experts is the dispatcher's business: the local one
+calls them directly; an expert-parallel one (llmtrain.parallel) all-to-alls rows to the ranks
+that own them. This module knows no ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.config import ModelConfig
+from llmtrain.model.layers import MLP
+
+
+class ExpertFn(Protocol):
+    def __call__(self, x_MD: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """All experts live here: the sorted rows go straight to the expert computation."""
+
+    ep_size = 1
+    ep_rank = 0
+
+    def __call__(self, x_MD: torch.Tensor, counts_E: torch.Tensor, experts: ExpertFn):
+        return experts(x_MD, counts_E)
+
+
+class Router(nn.Module):
+    """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
+        # Persistent (HF checkpoints carry it); updated by the aux-loss-free rule, never by grads.
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor):
+        cfg = self.cfg
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if cfg.scoring_func == "sigmoid":
+            scores_TE = logits_TE.sigmoid()
+        else:
+            scores_TE = logits_TE.softmax(dim=-1)
+        choice_TE = scores_TE.detach() + self.e_score_correction_bias
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            t = choice_TE.shape[0]
+            grouped_TGe = choice_TE.view(t, cfg.n_group, -1)
+            if cfg.scoring_func == "sigmoid":  # V3: a group scores the sum of its top-2
+                group_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
+            else:  # V2 group_limited_greedy: a group scores its best expert
+                group_TG = grouped_TGe.max(dim=-1).values
+            keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+            keep_TG.scatter_(1, group_TG.topk(cfg.topk_group, dim=-1).indices, True)
+            choice_TE = choice_TE.masked_fill(
+                ~keep_TG.unsqueeze(-1).expand_as(grouped_TGe).reshape(t, -1), float("-inf")
+            )
+        idx_TK = choice_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
+        w_TK = scores_TE.gather(1, idx_TK)
+        if cfg.norm_topk_prob:
+            w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return w_TK * cfg.routed_scaling_factor, idx_TK, scores_TE, logits_TE
+
+
+def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped GEMM needs 16-byte aligned strides; otherwise fall back to the loop."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and x.dtype == w.dtype
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: w_gate_up [El, D, 2F] (gate | up), w_down [El, F, D]."""
+
+    def __init__(self, num_local: int, hidden: int, inner: int, impl: str = "auto"):
+        super().__init__()
+        self.inner = inner
+        self.impl = impl
+        self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * inner))
+        self.w_down = nn.Parameter(torch.empty(num_local, inner, hidden))
+
+    def _mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, offs):
+        if offs is not None:
+            return F.grouped_mm(x_MK, w_EKN, offs=offs)
+        outs, start = [], 0
+        for e, n in enumerate(counts_E.tolist()):
+            if n:
+                outs.append(x_MK[start : start + n] @ w_EKN[e])
+            start += n
+        if not outs:
+            return x_MK.new_zeros(0, w_EKN.shape[-1])
+        return torch.cat(outs)
+
+    def forward(self, x_MD: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+        """x_MD: rows sorted by local expert, counts_El rows each; returns [M, D] in that order."""
+        if x_MD.shape[0] == 0:  # nothing routed here: zero grads rather than none
+            return x_MD.new_zeros(x_MD.shape) + 0 * (self.w_gate_up.sum() + self.w_down.sum())
+        use_gmm = self.impl in ("auto", "grouped_mm") and grouped_mm_ok(x_MD, self.w_gate_up)
+        if self.impl == "grouped_mm" and not use_gmm:
+            raise RuntimeError("moe_impl='grouped_mm' but torch grouped_mm cannot run these shapes")
+        offs = torch.cumsum(counts_El, 0).to(torch.int32) if use_gmm else None
+        h_MF2 = self._mm(x_MD, self.w_gate_up, counts_El, offs)
+        a_MF = F.silu(h_MF2[:, : self.inner]) * h_MF2[:, self.inner :]
+        return self._mm(a_MF.contiguous(), self.w_down, counts_El, offs)
+
+
+class MoE(nn.Module):
+    """Routed + shared experts on the same normalised input; records per-expert token counts."""
+
+    def __init__(self, cfg: ModelConfig, dispatcher=None):
+        super().__init__()
+        self.cfg = cfg
+        self.dispatcher = dispatcher or LocalDispatcher()
+        e_local = cfg.n_routed_experts // self.dispatcher.ep_size
+        self.gate = Router(cfg)
+        self.experts = Experts(e_local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_impl)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts > 0
+            else None
+        )
+        e = cfg.n_routed_experts
+        # Token counts for metrics and the bias update: last forward, and summed since the update.
+        self.register_buffer("last_counts", torch.zeros(e), persistent=False)
+        self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output [B, T, D], auxiliary loss scalar: seq-wise balance + z-loss)."""
+        cfg = self.cfg
+        b, t, d = x_BTD.shape
+        x_TD = x_BTD.reshape(-1, d)
+        w_TK, idx_TK, scores_TE, logits_TE = self.gate(x_TD)
+        k = idx_TK.shape[1]
+        idx_M = idx_TK.reshape(-1)
+        order_M = torch.argsort(idx_M, stable=True)
+        token_M = order_M // k
+        counts_E = torch.bincount(idx_M, minlength=cfg.n_routed_experts)
+        y_MD = self.dispatcher(x_TD[token_M], counts_E, self.experts)
+        y_MD = y_MD * w_TK.reshape(-1)[order_M].unsqueeze(-1).to(y_MD.dtype)
+        out_TD = torch.zeros_like(x_TD).index_add_(0, token_M, y_MD.to(x_TD.dtype))
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+
+        with torch.no_grad():
+            c = counts_E.to(self.last_counts.dtype)
+            self.last_counts.copy_(c)
+            if self.training:
+                self.load_since_update.add_(c)
+
+        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        if self.training and cfg.aux_loss_alpha > 0:
+            aux = aux + cfg.aux_loss_alpha * self.sequence_balance_loss(scores_TE, idx_TK, b, t)
+        if self.training and cfg.router_z_loss_coef > 0:
+            aux = aux + cfg.router_z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+        return out_TD.view(b, t, d), aux
+
+    def sequence_balance_loss(self, scores_TE, idx_TK, b: int, t: int) -> torch.Tensor:
+        """DeepSeek-V3 eq. 17-20: Σ_i f_i·P_i per sequence, averaged over sequences.
+
+        f_i = E/(K·T) · #tokens of the sequence routed to i; P_i = mean over the sequence of the
+        scores normalised to sum 1 over all experts.
+        """
+        e, k = scores_TE.shape[1], idx_TK.shape[1]
+        s_BTE = scores_TE.view(b, t, e)
+        p_BE = (s_BTE / s_BTE.sum(-1, keepdim=True)).mean(1)
+        hits_BE = torch.zeros(b, e, device=scores_TE.device)
+        hits_BE.scatter_add_(1, idx_TK.view(b, t * k), torch.ones(b, t * k, device=hits_BE.device))
+        f_BE = hits_BE * (e / (k * t))
+        return (f_BE * p_BE).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing: bias += γ·sign(mean load − load); resets the accumulator.
+
+        Pass `load_E` already summed over data-parallel ranks so every rank applies the same step.
+        """
+        load = self.load_since_update if load_E is None else load_E.to(self.load_since_update)
+        gamma = self.cfg.bias_update_speed
+        if gamma > 0 and load.sum() > 0:
+            self.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
+        self.load_since_update.zero_()

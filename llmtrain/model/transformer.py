@@ -1,0 +1,255 @@
+"""The decoder: embeddings, MLA + (dense | MoE) blocks, final norm, LM head, optional MTP.
+
+Shape legend: B batch, T sequence, D hidden, V vocabulary, L layers.
+
+Parameter names follow the Hugging Face DeepseekV3 checkpoint (model.layers.{i}.self_attn...,
+lm_head) so conversion is a rename of the experts only. Build with `build_model`, which
+creates the modules on the meta device and materialises them where asked, so a model larger
+than memory can be described (and counted) without allocating it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llmtrain.config import ModelConfig
+from llmtrain.model.attention import MLA, MLACache
+from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
+from llmtrain.model.moe import MoE
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # lm_loss + aux_loss + mtp weight · mtp_loss
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # last residual stream before the final norm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dispatcher=None):
+        super().__init__()
+        self.self_attn = MLA(cfg, layer_idx)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = (
+            MoE(cfg, dispatcher) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_BTD, cos, sin, cache=None, mask=None):
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, mask)
+        h = self.post_attention_layernorm(x_BTD)
+        if self.is_moe:
+            y, aux = self.mlp(h)
+        else:
+            y, aux = self.mlp(h), x_BTD.new_zeros((), dtype=torch.float32)
+        return x_BTD + y, aux
+
+
+class MTPModule(nn.Module):
+    """One DeepSeek-V3 multi-token-prediction depth: h' = Block(W[enorm(emb(t_{i+k})); hnorm(h_i)]).
+
+    Embedding and output head are shared with the main model; names follow DeepSeek-V3's release
+    (enorm, hnorm, eh_proj, shared_head.norm) so the export can write them at layer index L + k.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dispatcher=None):
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(cfg, layer_idx, dispatcher)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h_BTD, emb_BTD, cos, sin):
+        x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
+        return self.block(x, cos, sin)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, dispatcher=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, dispatcher) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+class Transformer(nn.Module):
+    """MLA + DeepSeekMoE causal LM. `dispatcher` (default local) moves tokens to experts."""
+
+    def __init__(self, cfg: ModelConfig, dispatcher=None):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.model = Backbone(cfg, dispatcher)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.mtp = nn.ModuleList(
+            [MTPModule(cfg, cfg.num_layers + k, dispatcher) for k in range(cfg.mtp_depth)]
+        )
+        self.gradient_checkpointing = False
+
+    # ------------------------------------------------------------ init
+
+    def tie_weights(self) -> None:
+        """Share embedding and head when configured (again after `to_empty`, which unties)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) matrices, unit norms, zero router bias; rope buffers recomputed."""
+        std = self.cfg.init_std
+        for mod in self.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+            elif isinstance(mod, RotaryEmbedding):
+                mod.reset_parameters()
+            elif isinstance(mod, MoE):
+                mod.gate.e_score_correction_bias.zero_()
+                mod.last_counts.zero_()
+                mod.load_since_update.zero_()
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std, generator=generator)
+
+    # ------------------------------------------------------------ forward
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}); "
+                "check the tokenizer matches model.vocab_size"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: MLACache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        check_inputs: bool = True,
+    ) -> ModelOutput:
+        """input_ids [B, T]; labels [B, T] (next tokens, -100 ignored) adds the losses.
+
+        `attention_mask`, if given, is a boolean [B, 1, T, S] "may attend" mask (e.g. per document).
+        """
+        if check_inputs:
+            self._check_ids(input_ids)
+        b, t = input_ids.shape
+        past = cache.seq_len if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=input_ids.device)
+        position_ids = position_ids.expand(b, t)
+        x_BTD = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids, x_BTD.dtype)
+        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x_BTD, a = checkpoint(
+                    layer, x_BTD, cos, sin, None, attention_mask, use_reentrant=False
+                )
+            else:
+                x_BTD, a = layer(x_BTD, cos, sin, cache, attention_mask)
+            aux = aux + a
+        logits = self.lm_head(self.model.norm(x_BTD))
+        out = ModelOutput(logits=logits, hidden=x_BTD)
+        if labels is None:
+            return out
+        out.lm_loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+        out.aux_loss = aux
+        loss = out.lm_loss + aux
+        if len(self.mtp) and t > len(self.mtp):
+            mtp_loss, mtp_aux = self._mtp_loss(x_BTD, input_ids, labels, cos, sin)
+            out.mtp_loss = mtp_loss
+            out.aux_loss = aux + mtp_aux
+            loss = loss + self.cfg.mtp_loss_weight * mtp_loss + mtp_aux
+        out.loss = loss
+        return out
+
+    def _mtp_loss(self, h_BTD, input_ids, labels, cos, sin):
+        """Mean over depths k of CE(t_{i+k+1}); depth k sees positions 0..T-1-k."""
+        losses, aux = [], h_BTD.new_zeros((), dtype=torch.float32)
+        t = input_ids.shape[1]
+        for k, mod in enumerate(self.mtp, start=1):
+            n = t - k
+            emb = self.model.embed_tokens(input_ids[:, k:])
+            h_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n])
+            aux = aux + a
+            logits = self.lm_head(mod.norm(h_BTD))
+            tgt = labels[:, k:]
+            losses.append(
+                F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100
+                )
+            )
+        return torch.stack(losses).mean(), aux
+
+    @torch.no_grad()
+    def update_router_biases(self, loads_LE: torch.Tensor | None = None) -> None:
+        """Apply the aux-loss-free bias step to every MoE layer (MTP blocks included).
+
+        `loads_LE` [num MoE layers, E]: loads summed over data-parallel ranks; None uses local counts.
+        """
+        for i, m in enumerate(self.moe_layers()):
+            m.update_bias(None if loads_LE is None else loads_LE[i])
+
+    def expert_loads(self) -> torch.Tensor:
+        """[num MoE layers, E] tokens routed since the last bias update (for reduction + metrics)."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros(0, self.cfg.n_routed_experts)
+        return torch.stack([m.load_since_update for m in layers])
+
+
+def build_model(
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+    dispatcher=None,
+) -> Transformer:
+    """Create on the meta device, then materialise on `device` and initialise (unless meta).
+
+    Router weights and the correction bias stay fp32 whatever `dtype` is: routing decisions are
+    made in fp32, as in DeepSeek-V3.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg, dispatcher)
+    if str(device) == "meta":
+        return model
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    model.init_weights(gen)
+    if dtype != torch.float32:
+        model.to(dtype)
+        for m in model.moe_layers():
+            m.gate.float()
+    return model
