@@ -207,6 +207,8 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         if name.endswith("mlp.experts.down_proj"):
             out[name[: -len("down_proj")] + "w_down"] = t.transpose(1, 2).contiguous()
             continue
+        if ".shared_experts." in name and cfg.n_shared_experts == 0 and t.numel() == 0:
+            continue  # transformers writes empty shared-expert tensors when there are none
         out[name] = t
     for prefix, per in experts.items():
         n = len(per)

@@ -66,11 +66,15 @@ def reference_attention(
     mask_TS: torch.Tensor | None,
 ) -> torch.Tensor:
     """Plain softmax(QKᵀ·scale + mask)·V in fp32; mask is boolean (True = may attend)."""
-    s = torch.matmul(q_BHTE, k_BHSE.transpose(-1, -2)).float() * scale
+    s = _atleast_fp32(torch.matmul(q_BHTE, k_BHSE.transpose(-1, -2))) * scale
     if mask_TS is not None:
         s = s.masked_fill(~mask_TS, float("-inf"))
     p = torch.softmax(s, dim=-1).to(v_BHSV.dtype)
     return torch.matmul(p, v_BHSV)
+
+
+def _atleast_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype.itemsize < 4 else x
 
 
 def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -212,7 +216,7 @@ class MLA(nn.Module):
         ql_BHTR = torch.einsum("bhtn,hnr->bhtr", qn_BHTN, w_uk_HNR)
         s_BHTS = torch.matmul(ql_BHTR, c_BSR.unsqueeze(1).transpose(-1, -2))
         s_BHTS = s_BHTS + torch.matmul(qr_BHTP, kr_BSP.unsqueeze(1).transpose(-1, -2))
-        s_BHTS = s_BHTS.float() * self.scale
+        s_BHTS = _atleast_fp32(s_BHTS) * self.scale
         t, s = s_BHTS.shape[-2:]
         m = mask if mask is not None else causal_mask(t, s, s_BHTS.device)
         p_BHTS = torch.softmax(s_BHTS.masked_fill(~m, float("-inf")), dim=-1).to(c_BSR.dtype)

@@ -49,7 +49,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor):
         cfg = self.cfg
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        x = x_TD.float() if x_TD.dtype.itemsize < 4 else x_TD  # routing in >= fp32
+        logits_TE = F.linear(x, self.weight.to(x.dtype))
         if cfg.scoring_func == "sigmoid":
             scores_TE = logits_TE.sigmoid()
         else:
@@ -76,7 +77,11 @@ class Router(nn.Module):
 
 def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch's grouped GEMM needs 16-byte aligned strides; otherwise fall back to the loop."""
-    if not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm") or x.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
         return False
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and x.dtype == w.dtype

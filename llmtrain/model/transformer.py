@@ -121,7 +121,7 @@ class Transformer(nn.Module):
                 mod.gate.e_score_correction_bias.zero_()
                 mod.last_counts.zero_()
                 mod.load_since_update.zero_()
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std, generator=generator)
 

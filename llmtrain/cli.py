@@ -1,0 +1,115 @@
+"""The `llmtrain` console script: parsing and dispatch only; the work lives in the packages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from llmtrain.config import ConfigError, ModelConfig, load_config
+
+
+def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, int | None]:
+    """Our YAML (with overrides) or a Hugging Face config.json; returns (model, train seq_len)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.suffix == ".json":
+        from llmtrain.hf import model_config_from_hf
+
+        if not p.is_file():
+            raise ConfigError(f"{p} does not exist")
+        return model_config_from_hf(json.loads(p.read_text())), None
+    cfg = load_config(p, overrides)
+    return cfg.model, cfg.train.seq_len
+
+
+def _fmt(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def cmd_count(args: argparse.Namespace) -> int:
+    from llmtrain.accounting import count, memory_per_rank
+
+    model_cfg, seq_len = _load_model_config(args.config, args.overrides)
+    c = count(model_cfg, seq_len=args.seq_len or seq_len, kv_dtype=args.kv_dtype)
+    mem = None
+    if args.world_size:
+        mem = memory_per_rank(model_cfg, args.world_size, args.zero_stage, args.ep_size, args.dtype)
+    if args.json:
+        out = c.to_dict()
+        if mem:
+            out["memory_per_rank_bytes"] = mem
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [
+        ("total parameters", _fmt(c.total_params)),
+        ("active parameters / token", _fmt(c.active_params)),
+        ("  input embedding", _fmt(c.embedding_params)),
+        (
+            "  LM head",
+            _fmt(c.lm_head_params) + (" (tied)" if model_cfg.tie_word_embeddings else ""),
+        ),
+        ("non-embedding (total)", _fmt(c.non_embedding_params)),
+        ("non-embedding (active)", _fmt(c.active_non_embedding_params)),
+        ("routed-expert parameters", _fmt(c.expert_params)),
+        ("MTP parameters (extra)", _fmt(c.mtp_params)),
+        (f"training FLOPs / token (T={c.seq_len})", _fmt(c.flops_per_token)),
+        ("  of which attention QK/AV", _fmt(c.attn_flops_per_token)),
+        ("  6·N (N = active non-embedding)", _fmt(c.flops_6nd_per_token)),
+        (f"KV cache / token ({args.kv_dtype}) MLA", f"{c.kv_cache_bytes_per_token:,} B"),
+        ("KV cache / token, full MHA equivalent", f"{c.kv_cache_bytes_per_token_mha:,} B"),
+    ]
+    if mem:
+        label = f"memory / rank (W={args.world_size}, ZeRO-{args.zero_stage}, EP={args.ep_size})"
+        rows.append((label, f"{mem['total'] / 2**30:.2f} GiB (no activations)"))
+    w = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    print("\nper layer:  idx kind   attention       mlp total      mlp active")
+    for l in c.layers:
+        print(
+            f"            {l.index:>3} {l.kind:<6} {_fmt(l.attn):>10} {_fmt(l.mlp_total):>14} {_fmt(l.mlp_active):>14}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("count", help="parameters, FLOPs, KV cache and memory from a config alone")
+    c.add_argument("config", help="our YAML config, or a Hugging Face config.json / model dir")
+    c.add_argument("overrides", nargs="*", help="a.b=c overrides (YAML configs only)")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--seq-len", type=int, default=None, help="context for the attention FLOPs")
+    c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
+    c.add_argument("--world-size", type=int, default=0, help="also estimate memory per rank")
+    c.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
+    c.add_argument("--ep-size", type=int, default=1)
+    c.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    c.set_defaults(func=cmd_count)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"llmtrain {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+import dataclasses
+
+import pytest
+
+from llmtrain.config import Config, ConfigError, ModelConfig, load_config, parse_overrides
+
+from .conftest import ROOT
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(
+        ROOT / "configs" / "debug.yaml",
+        ["model.num_layers=5", "train.lr=1e-3", "model.q_lora_rank=null", "model.rope.type=yarn",
+         "model.rope.factor=4", "parallel.zero_stage=2"],
+    )  # fmt: skip
+    assert cfg.model.num_layers == 5
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.model.q_lora_rank is None
+    assert cfg.model.rope.type == "yarn" and cfg.model.rope.factor == 4.0
+    assert cfg.parallel.zero_stage == 2
+    assert parse_overrides(["a.b.c=true"]) == {"a": {"b": {"c": True}}}
+
+
+def test_unknown_keys_are_errors_naming_them(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  hiden_size: 3\n")
+    with pytest.raises(ConfigError, match="model.hiden_size"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="trian"):
+        load_config(None, ["trian.lr=1"])
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config(None, ["model.num_layers=abc"])
+
+
+BAD = [
+    ({"num_heads": 7}, "num_heads"),
+    ({"num_experts_per_tok": 17}, "num_experts_per_tok"),
+    ({"n_group": 4, "topk_group": 5}, "topk_group"),
+    ({"n_routed_experts": 10, "n_group": 4}, "n_group"),
+    ({"hidden_size": 0}, "hidden_size"),
+    ({"kv_lora_rank": -1}, "kv_lora_rank"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+    ({"scoring_func": "relu"}, "scoring_func"),
+    ({"first_k_dense_replace": 9}, "first_k_dense_replace"),
+    ({"attn_backend": "xformers"}, "attn_backend"),
+    ({"n_routed_experts": 16, "n_group": 16, "topk_group": 1}, "n_group"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD, ids=[b[1] for b in BAD])
+def test_impossible_model_configs_name_the_field(change, field):
+    cfg = dataclasses.replace(ModelConfig(), **change)
+    with pytest.raises(ConfigError, match=field):
+        cfg.validate()
+
+
+def test_unknown_rope_type_and_cross_section_checks():
+    with pytest.raises(ConfigError, match="model.rope.type"):
+        load_config(None, ["model.rope.type=ntk"])
+    with pytest.raises(ConfigError, match="seq_len"):
+        load_config(None, ["train.seq_len=100000"])
+    with pytest.raises(ConfigError, match="ep_size"):
+        load_config(None, ["parallel.ep_size=3"])
+
+
+def test_bad_config_fails_before_any_allocation():
+    from llmtrain.model import build_model
+
+    cfg = ModelConfig(num_heads=7)
+    with pytest.raises(ConfigError):
+        build_model(cfg)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(ROOT / "configs" / "debug.yaml", ["model.mtp_depth=2"])
+    cfg.save(tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml")
+    assert again == cfg

@@ -1,0 +1,211 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from llmtrain.accounting import count
+from llmtrain.config import ModelConfig, load_config
+from llmtrain.hf import model_config_from_hf
+from llmtrain.model import MLACache, build_model, generate
+
+from .conftest import FIXTURES, ROOT
+
+
+def _ids(cfg, b=2, t=24, seed=0):
+    return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_forward_backward_and_losses(debug_cfg):
+    cfg = debug_cfg.model
+    model = build_model(cfg)
+    ids = _ids(cfg)
+    out = model(ids[:, :-1], labels=ids[:, 1:])
+    assert out.logits.shape == (2, 23, cfg.vocab_size)
+    assert (
+        out.loss.isfinite()
+        and abs(out.lm_loss.item() - torch.log(torch.tensor(cfg.vocab_size)).item()) < 0.5
+    )
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+
+
+def test_parameter_count_matches_accounting_without_allocating():
+    """The accounting (config only) and the meta-built model agree, up to DeepSeek-V3 size."""
+    for name in ["deepseek_v3", "deepseek_v2", "deepseek_v2_lite"]:
+        cfg = model_config_from_hf(json.loads((FIXTURES / f"{name}_config.json").read_text()))
+        cfg.mtp_depth = 1
+        model = build_model(cfg, device="meta")
+        n = sum(p.numel() for p in model.parameters())
+        c = count(cfg)
+        assert n == c.total_params + c.mtp_params, name
+        assert next(model.parameters()).is_meta
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_debug_model_count_matches(debug_cfg, tied):
+    cfg = dataclasses.replace(debug_cfg.model, tie_word_embeddings=tied, mtp_depth=2)
+    model = build_model(cfg)
+    c = count(cfg)
+    assert sum(p.numel() for p in model.parameters()) == c.total_params + c.mtp_params
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_out_of_vocab_ids_raise_clear_error(debug_cfg):
+    model = build_model(debug_cfg.model)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[1, 2, debug_cfg.model.vocab_size]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[-1, 2]]))
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_attention_backends_agree(debug_cfg, rope):
+    cfg = dataclasses.replace(
+        debug_cfg.model,
+        rope=dataclasses.replace(
+            debug_cfg.model.rope, type=rope, factor=4.0, original_max_position_embeddings=32
+        ),
+    )
+    model = build_model(cfg)
+    ids = _ids(cfg, t=40)
+    outs = {}
+    for b in ["reference", "sdpa", "auto"]:
+        model.cfg.attn_backend = b
+        with torch.no_grad():
+            outs[b] = model(ids).logits
+    torch.testing.assert_close(outs["sdpa"], outs["reference"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["auto"], outs["reference"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn backend needs CUDA")
+def test_flash_backend_matches_sdpa_on_gpu(debug_cfg):  # pragma: no cover - GPU only
+    pytest.importorskip("flash_attn")
+    model = build_model(debug_cfg.model, device="cuda", dtype=torch.bfloat16)
+    ids = _ids(debug_cfg.model, t=64).cuda()
+    with torch.no_grad():
+        model.cfg.attn_backend = "flash"
+        a = model(ids).logits.float()
+        model.cfg.attn_backend = "sdpa"
+        b = model(ids).logits.float()
+    assert (a - b).abs().max() < 5e-2
+
+
+def test_gradient_checkpointing_same_grads(debug_cfg):
+    cfg = debug_cfg.model
+    ids = _ids(cfg)
+    grads = []
+    for ckpt in (False, True):
+        model = build_model(cfg, seed=3)
+        model.train()
+        model.gradient_checkpointing = ckpt
+        model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_mtp_loss_and_grads(debug_cfg):
+    cfg = dataclasses.replace(debug_cfg.model, mtp_depth=2, mtp_loss_weight=0.3)
+    model = build_model(cfg)
+    model.train()
+    ids = _ids(cfg, t=20)
+    out = model(ids[:, :-1], labels=ids[:, 1:])
+    assert out.mtp_loss is not None and out.mtp_loss.isfinite()
+    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss + 0.3 * out.mtp_loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.mtp.parameters())
+    # depth k=1 must predict t_{i+2}: its loss changes when only those targets change
+    model.eval()
+    with torch.no_grad():
+        base = model(ids[:, :-1], labels=ids[:, 1:]).mtp_loss
+        lab = ids[:, 1:].clone()
+        lab[:, 1:] = (lab[:, 1:] + 1) % cfg.vocab_size
+        assert model(ids[:, :-1], labels=lab).mtp_loss != base
+
+
+@pytest.mark.parametrize("q_lora", [None, 32])
+def test_cached_decoding_equals_recompute(debug_cfg, q_lora):
+    cfg = dataclasses.replace(debug_cfg.model, q_lora_rank=q_lora)
+    model = build_model(cfg, dtype=torch.float64, seed=7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)  # sharper logits: greedy paths diverge quickly if anything is off
+    prompt = _ids(cfg, b=2, t=9, seed=4)
+    a = generate(model, prompt, 24, use_cache=True)
+    b = generate(model, prompt, 24, use_cache=False)
+    assert torch.equal(a, b)
+    # the logits themselves, step by step
+    cache = MLACache(cfg.num_layers)
+    with torch.no_grad():
+        full = model(a).logits
+        pre = model(a[:, :9], cache=cache).logits
+        steps = [model(a[:, i : i + 1], cache=cache).logits for i in range(9, a.shape[1])]
+    inc = torch.cat([pre] + steps, dim=1)
+    torch.testing.assert_close(inc, full, atol=1e-9, rtol=1e-9)
+
+
+def test_cache_holds_only_latent_and_rope_key(debug_cfg):
+    cfg = debug_cfg.model
+    model = build_model(cfg)
+    cache = MLACache(cfg.num_layers)
+    with torch.no_grad():
+        model(_ids(cfg, b=1, t=5), cache=cache)
+    assert cache.seq_len == 5
+    assert cache.c_kv[0].shape == (1, 5, cfg.kv_lora_rank)
+    assert cache.k_rope[0].shape == (1, 5, cfg.qk_rope_head_dim)
+    per_tok = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert (
+        cache.bytes_per_token() == per_tok == count(cfg, kv_dtype="fp32").kv_cache_bytes_per_token
+    )
+
+
+def test_top_p_sampling(debug_cfg):
+    model = build_model(debug_cfg.model, seed=1)
+    prompt = _ids(debug_cfg.model, b=1, t=4)
+    g = torch.Generator().manual_seed(0)
+    tiny_p = generate(model, prompt, 8, temperature=1.0, top_p=1e-6, generator=g)
+    assert torch.equal(tiny_p, generate(model, prompt, 8))  # only the top token survives
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    s1 = generate(model, prompt, 8, temperature=1.0, top_p=0.9, generator=g1)
+    s2 = generate(model, prompt, 8, temperature=1.0, top_p=0.9, generator=g2)
+    assert torch.equal(s1, s2)
+
+
+def test_bf16_forward_keeps_router_fp32(debug_cfg):
+    model = build_model(debug_cfg.model, dtype=torch.bfloat16)
+    assert model.moe_layers()[0].gate.weight.dtype == torch.float32
+    out = model(_ids(debug_cfg.model))
+    assert out.logits.dtype == torch.bfloat16 and out.logits.isfinite().all()
+
+
+def test_model_update_router_biases(debug_cfg):
+    cfg = dataclasses.replace(debug_cfg.model, bias_update_speed=0.01)
+    model = build_model(cfg)
+    model.train()
+    model(_ids(cfg))
+    loads = model.expert_loads()
+    assert loads.shape == (cfg.num_moe_layers, cfg.n_routed_experts)
+    model.update_router_biases()
+    b = model.moe_layers()[0].gate.e_score_correction_bias
+    assert b.abs().max() == pytest.approx(0.01)
+    assert model.expert_loads().sum() == 0
+
+
+def test_yaml_model_builds_and_trains_a_step():
+    cfg = load_config(ROOT / "configs" / "debug.yaml").model
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _ids(cfg, t=33)
+    losses = []
+    for _ in range(5):
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.lm_loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_model_config_is_plain_data():
+    assert isinstance(ModelConfig().qk_head_dim, int)

@@ -1,0 +1,143 @@
+import dataclasses
+
+import pytest
+import torch
+
+from llmtrain.config import ModelConfig
+from llmtrain.model.moe import MoE
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.0)  # fmt: skip
+    base.update(kw)
+    c = ModelConfig(**base)
+    c.validate()
+    return c
+
+
+def _moe(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = MoE(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+        m.gate.e_score_correction_bias.normal_(0, 0.1)
+    return m
+
+
+def _dense_reference(m: MoE, x_BTD):
+    """Every token through its experts one by one: the slow, obvious computation."""
+    x = x_BTD.reshape(-1, x_BTD.shape[-1])
+    w, idx, _, _ = m.gate(x)
+    f = m.cfg.moe_intermediate_size
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            h = x[t] @ m.experts.w_gate_up[e]
+            out[t] += w[t, j] * ((torch.nn.functional.silu(h[:f]) * h[f:]) @ m.experts.w_down[e])
+    if m.shared_experts is not None:
+        out = out + m.shared_experts(x)
+    return out.view_as(x_BTD)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_dispatch_matches_per_token_reference_with_grads(impl, scoring):
+    cfg = _cfg(moe_impl=impl, scoring_func=scoring)
+    m = _moe(cfg)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    y, _ = m(x)
+    ref = _dense_reference(m, x)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y)
+    gy = torch.autograd.grad((y * g).sum(), [x, m.experts.w_gate_up, m.gate.weight])
+    gr = torch.autograd.grad((ref * g).sum(), [x, m.experts.w_gate_up, m.gate.weight])
+    for a, b in zip(gy, gr):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_mm_and_loop_agree():
+    cfg = _cfg()
+    a = _moe(dataclasses.replace(cfg, moe_impl="grouped_mm"))
+    b = _moe(dataclasses.replace(cfg, moe_impl="loop"))
+    x = torch.randn(3, 11, 32)
+    torch.testing.assert_close(a(x)[0], b(x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_counts_reported_and_bias_only_affects_selection():
+    cfg = _cfg(n_group=1, topk_group=1)
+    m = _moe(cfg)
+    x = torch.randn(4, 16, 32)
+    m.train()
+    m(x)
+    assert m.last_counts.sum() == 4 * 16 * 2
+    assert torch.equal(m.load_since_update, m.last_counts)
+    # a huge bias on expert 0 makes every token pick it, yet its weight stays the raw score
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.zero_()
+        m.gate.e_score_correction_bias[0] = 100.0
+    w, idx, scores, _ = m.gate(x.reshape(-1, 32))
+    assert (idx == 0).any(dim=1).all()
+    raw = scores.gather(1, idx)
+    torch.testing.assert_close(w, raw / raw.sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+
+
+def test_aux_loss_free_bias_update_rule():
+    cfg = _cfg(bias_update_speed=0.01)
+    m = _moe(cfg)
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.zero_()
+    load = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])  # mean 5
+    m.update_bias(load)
+    expect = torch.tensor([-0.01, 0.01, 0, 0, 0, 0, 0, 0])
+    torch.testing.assert_close(m.gate.e_score_correction_bias, expect)
+    assert m.load_since_update.sum() == 0
+
+
+def test_bias_update_balances_load_over_steps():
+    cfg = _cfg(bias_update_speed=0.02, n_group=1, topk_group=1, num_experts_per_tok=1)
+    m = _moe(cfg)
+    with torch.no_grad():
+        m.gate.weight[0] += 2.0  # expert 0 is everybody's favourite
+        m.gate.e_score_correction_bias.zero_()
+    m.train()
+    x = torch.randn(8, 32, 32)
+    m(x)
+    first = m.last_counts.max() / m.last_counts.mean()
+    for _ in range(150):
+        m(x)
+        m.update_bias()
+    last = m.last_counts.max() / m.last_counts.mean()
+    assert last < first and last < 2.0
+
+
+def test_sequence_balance_loss_formula():
+    cfg = _cfg(aux_loss_alpha=0.5)
+    m = _moe(cfg)
+    b, t = 2, 5
+    x = torch.randn(b, t, 32)
+    m.train()
+    _, aux = m(x)
+    _, idx, scores, _ = m.gate(x.reshape(-1, 32))
+    e, k = 8, 2
+    total = 0.0
+    for s in range(b):
+        sl = slice(s * t, (s + 1) * t)
+        f = torch.zeros(e)
+        for i in idx[sl].reshape(-1):
+            f[i] += e / (k * t)
+        p = (scores[sl] / scores[sl].sum(-1, keepdim=True)).mean(0)
+        total += (f * p).sum()
+    torch.testing.assert_close(aux, 0.5 * total / b)
+    assert aux.requires_grad
+
+
+def test_z_loss_and_no_aux_in_eval():
+    m = _moe(_cfg(router_z_loss_coef=1e-3))
+    x = torch.randn(2, 4, 32)
+    m.train()
+    assert m(x)[1] > 0
+    m.eval()
+    assert m(x)[1] == 0
