@@ -20,8 +20,9 @@ def test_forward_backward_and_losses(debug_cfg):
     cfg = debug_cfg.model
     model = build_model(cfg)
     ids = _ids(cfg)
-    out = model(ids[:, :-1], labels=ids[:, 1:])
+    out = model(ids[:, :-1], labels=ids[:, 1:], return_logits=True)
     assert out.logits.shape == (2, 23, cfg.vocab_size)
+    assert model(ids[:, :-1], labels=ids[:, 1:]).logits is None  # fused loss: no logits kept
     assert (
         out.loss.isfinite()
         and abs(out.lm_loss.item() - torch.log(torch.tensor(cfg.vocab_size)).item()) < 0.5

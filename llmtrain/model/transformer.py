@@ -13,19 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig
 from llmtrain.model.attention import MLA, MLACache
 from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
+from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import MoE
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when labels are given (fused loss), unless asked
     loss: torch.Tensor | None = None  # lm_loss + aux_loss + mtp weight · mtp_loss
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -94,7 +94,7 @@ class Transformer(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.model = Backbone(cfg, dispatcher)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
         self.mtp = nn.ModuleList(
             [MTPModule(cfg, cfg.num_layers + k, dispatcher) for k in range(cfg.mtp_depth)]
@@ -151,10 +151,13 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         check_inputs: bool = True,
+        return_logits: bool | None = None,
     ) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (next tokens, -100 ignored) adds the losses.
 
-        `attention_mask`, if given, is a boolean [B, 1, T, S] "may attend" mask (e.g. per document).
+        With labels the head and cross-entropy run fused and chunked, and logits are not
+        materialised unless `return_logits=True`. `attention_mask`, if given, is a boolean
+        [B, 1, T, S] "may attend" mask (e.g. per document).
         """
         if check_inputs:
             self._check_ids(input_ids)
@@ -174,13 +177,13 @@ class Transformer(nn.Module):
             else:
                 x_BTD, a = layer(x_BTD, cos, sin, cache, attention_mask)
             aux = aux + a
-        logits = self.lm_head(self.model.norm(x_BTD))
-        out = ModelOutput(logits=logits, hidden=x_BTD)
+        h_BTD = self.model.norm(x_BTD)
+        if return_logits is None:
+            return_logits = labels is None
+        out = ModelOutput(logits=self.lm_head(h_BTD) if return_logits else None, hidden=x_BTD)
         if labels is None:
             return out
-        out.lm_loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
+        out.lm_loss = self.lm_head(h_BTD, labels)
         out.aux_loss = aux
         loss = out.lm_loss + aux
         if len(self.mtp) and t > len(self.mtp):
@@ -200,13 +203,7 @@ class Transformer(nn.Module):
             emb = self.model.embed_tokens(input_ids[:, k:])
             h_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n])
             aux = aux + a
-            logits = self.lm_head(mod.norm(h_BTD))
-            tgt = labels[:, k:]
-            losses.append(
-                F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100
-                )
-            )
+            losses.append(self.lm_head(mod.norm(h_BTD), labels[:, k:]))
         return torch.stack(losses).mean(), aux
 
     @torch.no_grad()

@@ -1,0 +1,27 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmtrain.model.loss import LMHead, chunked_cross_entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_head_ce_matches_plain_loss_and_grads(dtype, monkeypatch):
+    monkeypatch.setattr("llmtrain.model.loss._chunk_rows", lambda v: 7)  # several ragged chunks
+    torch.manual_seed(0)
+    head = LMHead(16, 50).to(dtype)
+    h = torch.randn(3, 10, 16, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 10))
+    labels[0, :4] = -100
+    loss = head(h, labels)
+    ref = F.cross_entropy(head(h).reshape(-1, 50).float(), labels.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(loss.to(ref.dtype), ref)
+    g1 = torch.autograd.grad(loss * 3.0, [h, head.weight])
+    g2 = torch.autograd.grad(ref * 3.0, [h, head.weight])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b.to(a.dtype))
+    with torch.no_grad():
+        torch.testing.assert_close(head(h, labels), ref)
+    torch.testing.assert_close(
+        chunked_cross_entropy(h.reshape(-1, 16), head.weight, labels.reshape(-1)), ref.detach()
+    )
