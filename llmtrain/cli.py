@@ -79,6 +79,20 @@ def cmd_count(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from llmtrain.train.loop import train
+
+    overrides, resume = [], "never"
+    for o in args.overrides:
+        if o.startswith("resume="):
+            resume = o.split("=", 1)[1]
+        else:
+            overrides.append(o)
+    cfg = load_config(args.config, overrides)
+    train(cfg, args.run_dir, resume=resume, overwrite=args.overwrite)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -95,18 +109,43 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ep-size", type=int, default=1)
     c.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     c.set_defaults(func=cmd_count)
+
+    t = sub.add_parser("train", help="train (one process, or under the deepspeed launcher)")
+    t.add_argument("config", help="YAML config")
+    t.add_argument("overrides", nargs="*", help="a.b=c overrides; resume=auto continues the run")
+    t.add_argument("--run-dir", required=True, help="where metrics, checkpoints and samples go")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    t.set_defaults(func=cmd_train)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    bad = [e for e in extra if "=" not in e or e.startswith("-") or not hasattr(args, "overrides")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.cmd == "train":
+        logging.getLogger("llmtrain").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except Exception as e:
+        from llmtrain.data.corpus import DataError
+        from llmtrain.train.checkpoint import CheckpointError
+        from llmtrain.train.loop import TrainingError
+
+        if not isinstance(
+            e,
+            (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError),
+        ):
+            raise
         print(f"llmtrain {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

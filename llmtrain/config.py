@@ -188,8 +188,33 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    """Text sources, tokenizer and the prepared-shard cache."""
+
+    sources: list = field(default_factory=lambda: ["builtin:stdlib"])  # paths, hf:NAME[@SPLIT]
+    text_field: str = "text"  # jsonl / parquet / datasets column
+    streaming: bool = False  # `datasets` streaming for hf: sources
+    tokenizer: str = "train"  # "train" (byte-level BPE of model.vocab_size) or a tokenizer dir/file
+    tokenizer_train_bytes: int = 20_000_000
+    val_percent: float = 2.0  # documents held out for validation, by a stable hash of their key
+    max_bytes: int = 0  # stop reading after this many characters (0: all)
+    shard_tokens: int = 50_000_000
+    cache_dir: str = ""  # default $LLMTRAIN_CACHE or ~/.cache/llmtrain
+    doc_mask: bool = False  # attention stays inside each packed document
+
+    def validate(self, prefix: str = "data") -> None:
+        if not self.sources or not all(isinstance(s, str) for s in self.sources):
+            raise ConfigError(f"{prefix}.sources must be a non-empty list of paths or hf:NAME")
+        if not 0 < self.val_percent < 50:
+            raise ConfigError(f"{prefix}.val_percent={self.val_percent} must be in (0, 50)")
+        _positive(prefix, "shard_tokens", self.shard_tokens)
+        _positive(prefix, "tokenizer_train_bytes", self.tokenizer_train_bytes)
+
+
+@dataclass
 class TrainConfig:
-    """What one optimisation run is; the trainer (training issue) reads more of it."""
+    """One optimisation run. The global batch is fixed here; micro-batches and accumulation
+    are derived from the world size, so a config means the same optimisation anywhere."""
 
     seq_len: int = 256
     global_batch_size: int = 8  # sequences per optimizer step, independent of world size
@@ -199,31 +224,59 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     schedule: str = "cosine"  # "cosine" | "wsd" | "inv_sqrt"
+    decay_fraction: float = 0.2  # WSD: the final fraction of steps that decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
     seed: int = 1234
     dtype: str = "fp32"  # "fp32" | "bf16"
     log_every: int = 1
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 100
+    keep_last: int = 2
+    max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    activation_checkpointing: bool = False
+    offload_optimizer: bool = False
+    peak_flops: float = 0.0  # per device, for MFU; 0 measures a matmul ceiling at start
+    tensorboard: bool = True
+    sample_tokens: int = 64  # length of the text sample generated at the end (0: none)
+    init_from: str = ""  # a Hugging Face DeepseekV3/V2 directory to continue pre-training from
+    deepspeed: dict = field(default_factory=dict)  # extra DeepSpeed keys merged over ours
 
     def validate(self, prefix: str = "train") -> None:
-        for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps", "log_every"):
+        for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps", "log_every",
+                     "eval_every", "save_every", "keep_last", "max_nonfinite"):  # fmt: skip
             _positive(prefix, name, getattr(self, name))
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
         if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
             raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
+        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+            raise ConfigError(
+                f"{prefix}.warmup_steps={self.warmup_steps} must be in [0, max_steps]"
+            )
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"{prefix}.micro_batch_size={self.micro_batch_size} must divide "
+                f"{prefix}.global_batch_size={self.global_batch_size}"
+            )
 
 
 @dataclass
 class ParallelConfig:
     zero_stage: int = 1
     ep_size: int = 1
+    backend: str = "auto"  # "auto" (nccl on CUDA, gloo on CPU) | "nccl" | "gloo"
 
     def validate(self, prefix: str = "parallel") -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{prefix}.zero_stage={self.zero_stage}: use 0, 1, 2 or 3")
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(
+                f"{prefix}.zero_stage={self.zero_stage}: use 1, 2 or 3 (stage 0 has no optimizer "
+                "that skips non-finite steps; ZeRO-1 costs nothing on one process)"
+            )
         _positive(prefix, "ep_size", self.ep_size)
 
 
@@ -234,16 +287,27 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> Config:
         self.model.validate()
         self.train.validate()
         self.parallel.validate()
+        self.data.validate()
         if self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; shorten the sequences or raise the limit"
             )
+        if self.parallel.zero_stage == 3 and self.parallel.ep_size > 1:
+            raise ConfigError(
+                "parallel.zero_stage=3 with parallel.ep_size>1 is not supported: DeepSpeed's engine "
+                "refuses expert-parallel MoE modules under ZeRO-3 (only its AutoEP layers pass, and "
+                "those lack the aux-loss-free bias). Use zero_stage=2 with expert parallelism, or "
+                "zero_stage=3 with ep_size=1 (experts then partitioned like every other weight)"
+            )
+        if self.parallel.backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"parallel.backend={self.parallel.backend!r}: use auto, nccl or gloo")
         if self.model.n_routed_experts % self.parallel.ep_size:
             raise ConfigError(
                 f"parallel.ep_size={self.parallel.ep_size} must divide model.n_routed_experts="

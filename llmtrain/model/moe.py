@@ -90,10 +90,20 @@ def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 class Experts(nn.Module):
     """Routed experts as stacked weights: w_gate_up [El, D, 2F] (gate | up), w_down [El, F, D]."""
 
-    def __init__(self, num_local: int, hidden: int, inner: int, impl: str = "auto"):
+    def __init__(
+        self,
+        num_local: int,
+        hidden: int,
+        inner: int,
+        impl: str = "auto",
+        offset: int = 0,
+        total: int = 0,
+    ):
         super().__init__()
         self.inner = inner
         self.impl = impl
+        self.offset = offset  # global id of the first expert held here (expert parallelism)
+        self.total = total or num_local
         self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * inner))
         self.w_down = nn.Parameter(torch.empty(num_local, inner, hidden))
 
@@ -111,8 +121,11 @@ class Experts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """x_MD: rows sorted by local expert, counts_El rows each; returns [M, D] in that order."""
-        if x_MD.shape[0] == 0:  # nothing routed here: zero grads rather than none
-            return x_MD.new_zeros(x_MD.shape) + 0 * (self.w_gate_up.sum() + self.w_down.sum())
+        if x_MD.shape[0] == 0:
+            # Nothing routed here. The result still depends on x and the weights so that autograd
+            # reaches the all-to-all before it on every rank (else ranks disagree and hang) and
+            # the weights get zero gradients rather than none.
+            return x_MD * 0.0 + 0.0 * (self.w_gate_up.sum() + self.w_down.sum())
         use_gmm = self.impl in ("auto", "grouped_mm") and grouped_mm_ok(x_MD, self.w_gate_up)
         if self.impl == "grouped_mm" and not use_gmm:
             raise RuntimeError("moe_impl='grouped_mm' but torch grouped_mm cannot run these shapes")
@@ -131,7 +144,10 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher or LocalDispatcher()
         e_local = cfg.n_routed_experts // self.dispatcher.ep_size
         self.gate = Router(cfg)
-        self.experts = Experts(e_local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_impl)
+        self.experts = Experts(
+            e_local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_impl,
+            offset=self.dispatcher.ep_rank * e_local, total=cfg.n_routed_experts,
+        )  # fmt: skip
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
             if cfg.n_shared_experts > 0

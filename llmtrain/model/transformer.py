@@ -10,6 +10,7 @@ than memory can be described (and counted) without allocating it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from llmtrain.config import ModelConfig
 from llmtrain.model.attention import MLA, MLACache
 from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
 from llmtrain.model.loss import LMHead
-from llmtrain.model.moe import MoE
+from llmtrain.model.moe import Experts, MoE
 
 
 @dataclass
@@ -109,8 +110,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) matrices, unit norms, zero router bias; rope buffers recomputed."""
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, init_std) matrices, unit norms, zero router bias; rope buffers recomputed.
+
+        Each matrix draws from its own generator seeded by (seed, name), and expert weights are
+        drawn for all E experts and sliced: the same seed gives the same model at any layout.
+        """
         std = self.cfg.init_std
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
@@ -121,9 +126,23 @@ class Transformer(nn.Module):
                 mod.gate.e_score_correction_bias.zero_()
                 mod.last_counts.zero_()
                 mod.load_since_update.zero_()
-        for p in self.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, std, generator=generator)
+        slices = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, Experts):
+                for pn in ("w_gate_up", "w_down"):
+                    slices[f"{name}.{pn}"] = (mod.offset, mod.total)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode())
+            )
+            if name in slices:
+                off, total = slices[name]
+                full = torch.empty((total, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                p.copy_(full.normal_(0.0, std, generator=gen)[off : off + p.shape[0]])
+            else:
+                p.normal_(0.0, std, generator=gen)
 
     # ------------------------------------------------------------ forward
 
@@ -241,10 +260,7 @@ def build_model(
         return model
     model = model.to_empty(device=device)
     model.tie_weights()
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-    model.init_weights(gen)
+    model.init_weights(seed or 0)
     if dtype != torch.float32:
         model.to(dtype)
         for m in model.moe_layers():

@@ -1,0 +1,259 @@
+"""The one module that talks to DeepSpeed: process groups, the DeepSpeed config built from ours,
+`deepspeed.initialize`, backward/step, and full (consolidated) views of weights and Adam moments.
+
+Expert parallelism rides on DeepSpeed's own machinery: expert parameters are tagged
+(`allreduce=False`, `group_name`), the optimizer gets DeepSpeed's MoE parameter groups, and
+each MoE layer carries a marker that is an instance of `deepspeed.moe.layer.MoE`, which is
+what makes the engine create and use expert / expert-data-parallel groups for them (ZeRO
+then partitions expert optimizer state over the expert-data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.config import Config
+from llmtrain.parallel.expert import ExpertParallelDispatcher
+from llmtrain.parallel.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+EXPERT_PARAM_NAMES = ("w_gate_up", "w_down")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
+    """Join (or, alone, create) the default process group; returns (rank, world, local_rank)."""
+    import deepspeed
+
+    if "WORLD_SIZE" not in os.environ:  # a plain `llmtrain train`: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def device_for(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def expert_group_name(ep_size: int) -> str:
+    return f"ep_size_{ep_size}"
+
+
+def make_dispatcher(layout: Layout):
+    """Create DeepSpeed's expert / expert-data-parallel groups; return the EP dispatcher."""
+    if layout.ep_size == 1:
+        return None
+    from deepspeed.utils import groups
+
+    name = expert_group_name(layout.ep_size)
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(layout.ep_size)
+    group = groups._get_expert_parallel_group(name)
+    return ExpertParallelDispatcher(group, layout.ep_size, dist.get_rank(group))
+
+
+def _marker_class():
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    class DeepSpeedMoEMarker(DeepSpeedMoE):
+        """Makes the engine treat the enclosing layer as MoE; holds no weights, runs nothing."""
+
+        def __init__(self, num_experts: int, ep_size: int):
+            nn.Module.__init__(self)  # DeepSpeed's MoE builds its own gate/experts: skip that
+            self.num_experts = num_experts
+            self.ep_size = ep_size
+            self.num_local_experts = num_experts // ep_size
+            self.expert_group_name = expert_group_name(ep_size)
+            self.enable_expert_tensor_parallelism = False
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass  # groups were made by make_dispatcher before the model existed
+
+        def forward(self, *args, **kwargs):  # pragma: no cover - never called
+            raise RuntimeError("the MoE marker is not a layer")
+
+    return DeepSpeedMoEMarker
+
+
+def is_expert_param(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
+
+
+def tag_expert_parallel(model: nn.Module, layout: Layout) -> None:
+    if layout.ep_size == 1:
+        return
+    marker = _marker_class()
+    for m in model.moe_layers():
+        m.ds_moe_marker = marker(m.cfg.n_routed_experts, layout.ep_size)
+    for name, p in model.named_parameters():
+        if is_expert_param(name):
+            p.allreduce = False
+            p.group_name = expert_group_name(layout.ep_size)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices only; expert params split into DeepSpeed's MoE groups."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if any(not getattr(p, "allreduce", True) for g in groups for p in g["params"]):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return groups
+
+
+def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
+    """Our config to DeepSpeed's, with `train.deepspeed` merged over it for advanced users."""
+    t = cfg.train
+    zero: dict[str, Any] = {"stage": layout.zero_stage}
+    if t.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if layout.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    ds = {
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "gradient_clipping": float(t.grad_clip),  # explicit: DeepSpeed 0.19 defaults to 1.0
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.dtype == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(ds, t.deepspeed)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class Engine:
+    """DeepSpeed engine around our model: forward, backward, step, LR, full-state views."""
+
+    def __init__(self, model: nn.Module, cfg: Config, layout: Layout):
+        import deepspeed
+
+        self.cfg, self.layout, self.model = cfg, layout, model
+        tag_expert_parallel(model, layout)
+        t = cfg.train
+        opt = torch.optim.AdamW(
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps
+        )
+        self.ds_config = deepspeed_config(cfg, layout)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, config=self.ds_config
+        )
+        self.zero_stage = layout.zero_stage
+
+    # ------------------------------------------------------------ steps
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def grad_norm(self) -> float:
+        n = self.engine.get_global_grad_norm()
+        return float(n) if n is not None else float("nan")
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    # ------------------------------------------------------------ full views (checkpoints)
+
+    def _base_optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def relink_optimizer_state(self) -> None:
+        """DeepSpeed 0.19 links Adam state to parameter fragments after the first group's first
+        step only, so later groups (no-decay, MoE) stay unlinked; link all of them again."""
+        opt = self.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+    def full_param(self, p: torch.Tensor) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        v = safe_get_full_fp32_param(p)
+        return (v if v is not None else p.detach().float()).cpu()
+
+    def full_moment(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        v = safe_get_full_optimizer_state(p, key)
+        if v is None:
+            state = self._base_optimizer().state.get(p, {})
+            v = state.get(key, torch.zeros_like(p, dtype=torch.float32))
+        return v.detach().float().cpu()
+
+    def optimizer_step_count(self) -> int:
+        for st in self._base_optimizer().state.values():
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    def ensure_optimizer_state(self, step: int) -> None:
+        """Adam creates its state lazily at the first step; resuming needs it before that."""
+        base = self._base_optimizer()
+        for g in base.param_groups:
+            for p in g["params"]:
+                st = base.state[p]
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] = torch.tensor(float(step))
+        self.relink_optimizer_state()
+
+    def set_full(self, p: torch.Tensor, value: torch.Tensor, key: str | None) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        value = value.to(device=p.device, dtype=torch.float32)
+        if key is None:
+            safe_set_full_fp32_param(p, value)
+        else:
+            safe_set_full_optimizer_state(p, value, key)
+        if not hasattr(p, "ds_id") and not hasattr(p, "_hp_mapping"):  # no ZeRO partitioning
+            if key is None:
+                p.data.copy_(value)
+            else:
+                self._base_optimizer().state[p][key].copy_(value)

@@ -1,0 +1,1 @@
+"""The training run (`llmtrain train`, or `deepspeed --module llmtrain.train`)."""

@@ -1,0 +1,165 @@
+"""Metrics of a run: JSONL (rank 0, one object per logged step), TensorBoard, a progress line.
+
+Expert load per MoE layer: max/mean and MaxVio = (max − mean)/mean (Wang et al. 2024, the
+aux-loss-free balancing paper), and the range of the correction bias.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# dense bf16 peak per GPU, for MFU; other devices measure a matmul ceiling instead
+_GPU_PEAK_BF16 = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
+
+
+def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def peak_flops_per_device(device, dtype: str) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for k, v in _GPU_PEAK_BF16.items():
+            if k in name:
+                return v if dtype == "bf16" else v / 2
+    return measure_matmul_ceiling(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def memory_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def expert_stats(model, loads_LE: torch.Tensor | None = None) -> dict:
+    """Per MoE layer: max/mean load and the bias range; MaxVio over layers. `loads_LE` is the
+    step's global token count per expert (summed over ranks); else the last local forward."""
+    out = {}
+    vios, ratios = [], []
+    for i, m in enumerate(model.moe_layers()):
+        c = (loads_LE[i] if loads_LE is not None else m.last_counts).float().cpu()
+        mean = c.mean().clamp(min=1e-9)
+        ratios.append(float(c.max() / mean))
+        vios.append(float((c.max() - mean) / mean))
+        b = m.gate.e_score_correction_bias
+        out[f"moe/layer{i}/max_over_mean"] = ratios[-1]
+        out[f"moe/layer{i}/bias_range"] = float(b.max() - b.min())
+    if vios:
+        out["moe/maxvio_mean"] = sum(vios) / len(vios)
+        out["moe/maxvio_max"] = max(vios)
+        out["moe/max_over_mean"] = max(ratios)
+    return out
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        t,
+        start_step: int,
+        flops_per_token: float,
+        peak: float,
+        world: int,
+    ):
+        self.rank, self.flops_per_token, self.peak, self.world = rank, flops_per_token, peak, world
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        self.bar = None
+        self.acc_time = 0.0
+        self.acc_tokens = 0
+        if rank != 0:
+            return
+        if start_step and self.path.exists():  # drop lines past the checkpoint we resumed from
+            keep = [
+                l
+                for l in self.path.read_text().splitlines()
+                if l and json.loads(l)["step"] <= start_step
+            ]
+            self.path.write_text("".join(k + "\n" for k in keep))
+        elif not start_step and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a")
+        if t.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                logger.warning("tensorboard is not installed; metrics go to metrics.jsonl only")
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
+        )
+
+    def tick(self, dt: float, tokens: int) -> None:
+        self.acc_time += dt
+        self.acc_tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, record: dict, model, dt: float, tokens: int, loads_LE=None) -> None:
+        self.acc_time += dt
+        self.acc_tokens += tokens
+        tok_s = self.acc_tokens / max(self.acc_time, 1e-9)
+        self.acc_time, self.acc_tokens = 0.0, 0
+        record["tokens_per_s"] = tok_s
+        record["tflops_per_device"] = tok_s * self.flops_per_token / self.world / 1e12
+        record["mfu"] = tok_s * self.flops_per_token / self.world / self.peak
+        record["memory_gib"] = memory_bytes(next(model.parameters()).device) / 2**30
+        record.update(expert_stats(model, loads_LE))
+        if self.rank != 0:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, record["step"])
+        if self.bar is not None:
+            post = {
+                "loss": f"{record['loss']:.4f}",
+                "lr": f"{record['lr']:.2e}",
+                "tok/s": f"{tok_s:.0f}",
+            }
+            if "val_loss" in record:
+                post["val"] = f"{record['val_loss']:.4f}"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.bar is not None:
+                self.bar.close()
