@@ -71,7 +71,6 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     from llmtrain.parallel.engine import Engine, device_for, init_distributed, make_dispatcher
 
     run_dir = Path(run_dir)
-    t = cfg.train
     # the layout is checked before any process group exists
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     layout = make_layout(cfg, world_env)
@@ -266,22 +265,23 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
 
 @torch.no_grad()
 def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) -> float:
-    """Mean validation loss over a fixed set of sequences (the same at every step)."""
+    """Mean validation loss over the first `n_batches` global batches of the validation split:
+    the same sequences at every step and every world size."""
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    n_seq = min(ds.n_seq, n_batches * layout.micro_batch * world)
-    per = max(1, n_seq // world)
-    mine = list(range(rank * per, min((rank + 1) * per, ds.n_seq)))
+    n = min(ds.n_seq, n_batches * layout.global_batch)
+    per = max(1, n // world)
+    mine = [min(i, ds.n_seq - 1) for i in range(rank * per, (rank + 1) * per)]
+    valid = (rank + 1) * per <= ds.n_seq
     for i in range(0, per, layout.micro_batch):
         idx = mine[i : i + layout.micro_batch]
-        if not idx:  # keep collective calls aligned across ranks
-            idx = [0]
         x, y = ds.batch(idx)
         x, y = x.to(device), y.to(device)
         out = engine(x, labels=y, attention_mask=document_mask(x, eos) if doc_mask else None)
-        total += torch.tensor(
-            [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
-        )
+        if valid:  # every rank runs the same forwards (collectives), only whole shares count
+            total += torch.tensor(
+                [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
+            )
     dist.all_reduce(total)
     engine.train(True)
     return float(total[0] / total[1])

@@ -1,0 +1,169 @@
+"""The trainer end to end: layouts agree, resume is exact, bad input stops early and clearly."""
+
+import json
+
+import pytest
+import torch
+
+from llmtrain.config import load_config
+from llmtrain.parallel.layout import make_layout
+
+from .train_utils import ROOT, kill_when_step, metrics, run_train
+
+STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def base(cache, *extra):
+    return [f"train.max_steps={STEPS}", "train.warmup_steps=2", f"data.cache_dir={cache}",
+            "train.sample_tokens=0", "train.eval_every=10", "train.tensorboard=false", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, cache):
+    d = tmp_path_factory.mktemp("ref") / "run"
+    run_train(d, 1, base(cache, "train.save_every=10"))
+    return d
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(a)
+
+
+def test_single_process_run_outputs(reference):
+    m = metrics(reference)
+    assert [r["step"] for r in m] == list(range(1, STEPS + 1))
+    assert m[-1]["loss"] < m[0]["loss"] - 0.3
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "moe/maxvio_mean", "memory_gib"):
+        assert key in m[0]
+    assert "val_loss" in m[9] and "val_loss" in m[-1]
+    ck = reference / "checkpoints"
+    assert (ck / "latest").read_text() == f"step_{STEPS:08d}"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000010", "step_00000020"]
+    assert (reference / "config.yaml").is_file()
+    state = json.loads((ck / f"step_{STEPS:08d}" / "state.json").read_text())
+    assert state["step"] == STEPS and state["tokens_seen"] == STEPS * 8 * 128
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.zero_stage=2", "parallel.ep_size=2"]]
+    + [pytest.param(x, marks=pytest.mark.slow) for x in (
+        ["parallel.zero_stage=1"], ["parallel.zero_stage=2"], ["parallel.zero_stage=3"],
+        ["parallel.zero_stage=1", "parallel.ep_size=2"])],
+    ids=lambda x: "-".join(v.split(".")[1] for v in x),
+)  # fmt: skip
+def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
+    run_train(tmp_path / "run", 2, base(cache, *layout))
+    ref, got = metrics(reference), metrics(tmp_path / "run")
+    assert len(got) == STEPS
+    for a, b in zip(ref, got):
+        assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
+        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-3, (
+            a["step"],
+            a["grad_norm"],
+            b["grad_norm"],
+        )
+    assert _rel(ref[-1]["val_loss"], got[-1]["val_loss"]) < 1e-4
+
+
+def test_sigkill_then_resume_is_exact(reference, cache, tmp_path):
+    run = tmp_path / "run"
+    over = base(cache, "train.save_every=5")
+    kill_when_step(run, 1, over, step=12)
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert latest in ("step_00000010", "step_00000015")
+    run_train(run, 1, over + ["resume=auto"])
+    got, ref = metrics(run), metrics(reference)
+    assert [r["step"] for r in got] == list(
+        range(1, STEPS + 1)
+    )  # lines past the checkpoint replaced
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (
+            a["step"],
+            a["loss"],
+            b["loss"],
+        )
+
+
+def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path):
+    """2 ranks, ep 2, ZeRO-2 for 10 steps; then 1 rank continues: same curve as never stopping."""
+    run = tmp_path / "run"
+    kill_when_step(
+        run,
+        2,
+        base(cache, "parallel.zero_stage=2", "parallel.ep_size=2", "train.save_every=10"),
+        12,
+    )
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000010"
+    from safetensors.torch import load_file
+
+    ck = run / "checkpoints" / "step_00000010"
+    moments = load_file(str(ck / "optimizer.safetensors"))
+    exp = moments["model.layers.1.mlp.experts.w_gate_up::exp_avg_sq"]
+    assert (
+        exp.shape[0] == 8 and (exp[:4].abs().sum() > 0) and (exp[4:].abs().sum() > 0)
+    )  # both ranks' experts
+    run_train(run, 1, base(cache, "train.save_every=10", "resume=auto"))
+    ref, got = metrics(reference), metrics(run)
+    for a, b in zip(ref, got):
+        assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
+
+
+def test_nonfinite_steps_are_skipped_then_stop(cache, tmp_path):
+    run = tmp_path / "run"
+    run_train(
+        run, 1, base(cache, "train.max_steps=6", "train.save_every=2"), LLMTRAIN_FAULT_NAN_STEPS="3"
+    )
+    m = metrics(run)
+    assert m[3]["skipped"] and m[3]["skipped_total"] == 1 and not m[4]["skipped"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m if not r["skipped"])
+    stop = tmp_path / "stop"
+    p = run_train(stop, 1, base(cache, "train.max_steps=10", "train.save_every=2", "train.max_nonfinite=2"),
+                  check=False, LLMTRAIN_FAULT_NAN_STEPS="4,5")  # fmt: skip
+    assert p.returncode == 2 and "non-finite steps in a row" in p.stderr
+    assert (stop / "checkpoints" / "latest").read_text() == "step_00000004"
+
+
+def test_existing_run_dir_is_not_overwritten(reference, cache):
+    before = (reference / "metrics.jsonl").read_text()
+    p = run_train(reference, 1, base(cache), check=False)
+    assert p.returncode == 2 and "resume=auto" in p.stderr
+    assert (reference / "metrics.jsonl").read_text() == before
+
+
+def test_bad_inputs_fail_before_training(cache, tmp_path):
+    p = run_train(tmp_path / "a", 1, base(cache, f"data.sources=[{tmp_path}/missing]"), check=False)
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x01binary")
+    p = run_train(tmp_path / "b", 1, base(cache, f"data.sources=[{tmp_path}/bin.txt]"), check=False)
+    assert p.returncode == 2 and "binary" in p.stderr
+    p = run_train(
+        tmp_path / "c", 1, base(cache, "parallel.zero_stage=3", "parallel.ep_size=2"), check=False
+    )
+    assert p.returncode == 2 and "zero_stage=2 with expert parallelism" in p.stderr
+
+
+def test_checkpoint_from_another_config_is_refused(reference, cache, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    p = run_train(run, 1, base(cache, "model.num_layers=4", "resume=auto"), check=False)
+    assert p.returncode == 2 and "model.num_layers" in p.stderr
+
+
+def test_layout_is_validated_before_process_groups():
+    cfg = load_config(ROOT / "configs" / "debug.yaml")
+    lay = make_layout(cfg, 2)
+    assert (lay.micro_batch, lay.grad_accum, lay.global_batch) == (4, 1, 8)
+    assert make_layout(cfg, 1).grad_accum == 2
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        make_layout(cfg, 3)
+    cfg = load_config(ROOT / "configs" / "debug.yaml", ["parallel.ep_size=4"])
+    with pytest.raises(ValueError, match="must divide the world size"):
+        make_layout(cfg, 2)

@@ -1,0 +1,80 @@
+"""Run `llmtrain train` in subprocesses (one process, or 2 ranks under the deepspeed launcher)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e.update(
+        DS_ACCELERATOR="cpu",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    e.pop("WORLD_SIZE", None)
+    e.update(extra)
+    return e
+
+
+def train_cmd(
+    run_dir: Path, nproc: int, overrides: list[str], config: str = "configs/debug.yaml"
+) -> list[str]:
+    args = [config, "--run-dir", str(run_dir), *overrides]
+    if nproc == 1:
+        return [str(VENV_BIN / "llmtrain"), "train", *args]
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            "--module", "llmtrain.train", *args]  # fmt: skip
+
+
+def run_train(run_dir: Path, nproc: int = 1, overrides=(), check: bool = True, **env_extra):
+    p = subprocess.run(
+        train_cmd(run_dir, nproc, list(overrides)), cwd=ROOT, env=env(**env_extra),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if check and p.returncode != 0:
+        raise AssertionError(
+            f"training failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+        )
+    return p
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+
+
+def kill_when_step(run_dir: Path, nproc: int, overrides, step: int) -> None:
+    """Start a run and SIGKILL its whole process group once metrics reach `step`."""
+    p = subprocess.Popen(
+        train_cmd(run_dir, nproc, list(overrides)), cwd=ROOT, env=env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            f = run_dir / "metrics.jsonl"
+            if f.exists() and len(f.read_text().splitlines()) >= step:
+                break
+            if p.poll() is not None:
+                raise AssertionError("run ended before it could be killed")
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
