@@ -93,6 +93,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hostfile(args: argparse.Namespace) -> int:
+    from llmtrain.parallel.hostfile import parse_hostfile
+
+    hosts = parse_hostfile(args.hostfile)
+    for h, n in hosts.items():
+        print(f"{h} slots={n}")
+    print(f"{len(hosts)} nodes, {sum(hosts.values())} ranks")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -117,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
+
+    h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
+    h.add_argument("hostfile")
+    h.set_defaults(func=cmd_hostfile)
     return p
 
 

@@ -167,3 +167,37 @@ def test_layout_is_validated_before_process_groups():
     cfg = load_config(ROOT / "configs" / "debug.yaml", ["parallel.ep_size=4"])
     with pytest.raises(ValueError, match="must divide the world size"):
         make_layout(cfg, 2)
+
+
+def test_hostfile_checks(tmp_path, capsys):
+    from llmtrain.cli import main
+
+    assert main(["hostfile", str(ROOT / "launch" / "hostfile.example")]) == 0
+    assert "2 nodes, 16 ranks" in capsys.readouterr().out
+    bad = tmp_path / "hf"
+    bad.write_text("node0 slots=2\nnode1 slots two\n")
+    assert main(["hostfile", str(bad)]) == 2
+    assert ":2:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_node_launch_on_localhost(reference, cache, tmp_path):
+    """Two launcher invocations (--node_rank 0/1, --no_ssh), ep_size 2 across the 'nodes'."""
+    import subprocess
+
+    from .train_utils import VENV_BIN, env, free_port
+
+    hf = tmp_path / "hostfile"
+    hf.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = str(free_port())
+    run = tmp_path / "run"
+    procs = []
+    for node in (1, 0):
+        cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hf), "--no_ssh", "--node_rank", str(node),
+               "--master_addr", "127.0.0.1", "--master_port", port, "--module", "llmtrain.train",
+               "configs/debug.yaml", "--run-dir", str(run), *base(cache, "parallel.ep_size=2", "parallel.zero_stage=2")]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[1][-3000:]
+    for a, b in zip(metrics(reference), metrics(run)):
+        assert _rel(a["loss"], b["loss"]) < 1e-4

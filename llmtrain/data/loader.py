@@ -53,6 +53,14 @@ class PackedDataset:
             k += 1
         return out
 
+    def unigram_entropy(self) -> float:
+        """Entropy (nats) of the token frequencies: the loss of the best context-free model."""
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for m in self.maps:
+            counts += np.bincount(m, minlength=self.vocab_size)[: self.vocab_size]
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
     def sequence(self, i: int) -> np.ndarray:
         return self._range(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
 

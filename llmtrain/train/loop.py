@@ -260,6 +260,13 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             print(f"\n--- sample after {t.max_steps} steps ---\n{final['sample']}\n---")
             (run_dir / "sample.txt").write_text(final["sample"])
     final["last_checkpoint"] = last_saved
+    if rank == 0 and "val_loss" in final:
+        h = train_ds.unigram_entropy()
+        final["unigram_entropy"] = h
+        print(
+            f"validation loss {final['val_loss']:.3f} nats vs unigram entropy {h:.3f} nats of the data; "
+            f"checkpoint {run_dir / 'checkpoints' / f'step_{last_saved:08d}'}"
+        )
     return final
 
 

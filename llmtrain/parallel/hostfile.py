@@ -1,0 +1,36 @@
+"""Hostfiles as the deepspeed launcher reads them (`hostname slots=N` per line), checked early."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)\s+slots=(?P<slots>\d+)$")
+
+
+class HostfileError(ValueError):
+    pass
+
+
+def parse_hostfile(path: str | Path) -> dict[str, int]:
+    """{host: slots}; a bad line raises with its number and the expected form."""
+    p = Path(path)
+    if not p.is_file():
+        raise HostfileError(f"hostfile {p} does not exist")
+    hosts: dict[str, int] = {}
+    for i, raw in enumerate(p.read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise HostfileError(f"{p}:{i}: {raw.strip()!r} is not 'hostname slots=N'")
+        host, slots = m.group("host"), int(m.group("slots"))
+        if slots < 1:
+            raise HostfileError(f"{p}:{i}: slots must be >= 1")
+        if host in hosts:
+            raise HostfileError(f"{p}:{i}: host {host} is listed twice")
+        hosts[host] = slots
+    if not hosts:
+        raise HostfileError(f"hostfile {p} lists no hosts")
+    return hosts
