@@ -196,7 +196,16 @@ def test_two_node_launch_on_localhost(reference, cache, tmp_path):
         cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hf), "--no_ssh", "--node_rank", str(node),
                "--master_addr", "127.0.0.1", "--master_port", port, "--module", "llmtrain.train",
                "configs/debug.yaml", "--run-dir", str(run), *base(cache, "parallel.ep_size=2", "parallel.zero_stage=2")]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[1][-3000:]
     for a, b in zip(metrics(reference), metrics(run)):
