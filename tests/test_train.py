@@ -210,3 +210,17 @@ def test_two_node_launch_on_localhost(reference, cache, tmp_path):
     assert all(p.returncode == 0 for p in procs), outs[1][-3000:]
     for a, b in zip(metrics(reference), metrics(run)):
         assert _rel(a["loss"], b["loss"]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["train.dtype=bf16", "train.activation_checkpointing=true", "data.doc_mask=true"],
+     pytest.param(["train.offload_optimizer=true"], marks=pytest.mark.slow)],  # compiles CPU Adam
+    ids=["bf16-ckpt-docmask", "offload"],
+)  # fmt: skip
+def test_option_smoke(cache, tmp_path, extra):
+    p = run_train(
+        tmp_path / "run", 1, base(cache, "train.max_steps=3", "train.save_every=3", *extra)
+    )
+    m = metrics(tmp_path / "run")
+    assert len(m) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in m), p.stderr[-2000:]

@@ -177,10 +177,17 @@ class Engine:
         self.cfg, self.layout, self.model = cfg, layout, model
         tag_expert_parallel(model, layout)
         t = cfg.train
-        opt = torch.optim.AdamW(
-            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-            fused=not t.offload_optimizer,  # one kernel over the flat partitions (CPU and CUDA)
-        )  # fmt: skip
+        groups = param_groups(model, t.weight_decay)
+        if t.offload_optimizer:  # optimizer state in host memory, stepped by DeepSpeed's CPU Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            opt = DeepSpeedCPUAdam(
+                groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, adamw_mode=True
+            )
+        else:  # fused: one kernel over the flat partitions (CPU and CUDA)
+            opt = torch.optim.AdamW(
+                groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
+            )
         self.ds_config = deepspeed_config(cfg, layout)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=self.ds_config
