@@ -103,6 +103,15 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scaling(name: str):
+    def run(args: argparse.Namespace) -> int:
+        from llmtrain.scaling import commands
+
+        return getattr(commands, name)(args)
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -127,6 +136,51 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
+
+    sc = sub.add_parser("scaling", help="scaling laws: allocate, fit, sweep").add_subparsers(dest="scaling_cmd", required=True)
+    a = sc.add_parser("allocate", help="compute-optimal N and D for a FLOP budget (and inverse queries)")
+    a.add_argument("--flops", type=float)
+    a.add_argument("--target-loss", type=float, help="compute needed to reach this loss")
+    a.add_argument("--params", type=float, help="fixed model size: its compute-optimal tokens")
+    a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
+    a.add_argument("--law", default="chinchilla", help="chinchilla, epoch, or a fit JSON")
+    a.add_argument("--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family")
+    a.add_argument("--out", help="where --to-config writes (default allocated.yaml)")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_scaling("allocate"))
+    f = sc.add_parser("fit", help="fit scaling laws to runs (CSV files and/or run directories)")
+    f.add_argument("runs", nargs="+")
+    f.add_argument("--approach", choices=["1", "2", "3", "all"], default="all")
+    f.add_argument("--bootstrap", type=int, default=0, metavar="K")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--plot", metavar="OUT.png")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--out", metavar="FIT.json", help="also write the fit (readable by --law)")
+    f.add_argument("--n-col", default="N")
+    f.add_argument("--d-col", default="D")
+    f.add_argument("--c-col", default="C")
+    f.add_argument("--loss-col", default="loss")
+    f.add_argument("--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points")
+    f.add_argument("--intermediate", action="store_true", help="approach 1: use mid-schedule checkpoints too")
+    f.set_defaults(func=_scaling("fit"))
+    sw = sc.add_parser("sweep", help="IsoFLOP sweeps: plan | run | collect").add_subparsers(dest="sweep_cmd", required=True)
+    sp = sw.add_parser("plan")
+    sp.add_argument("--budgets", type=float, nargs="+", required=True)
+    sp.add_argument("--family", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--law", default="chinchilla", help="centres each budget's sizes on its N_opt")
+    sp.add_argument("--sizes", type=int, default=4)
+    sp.add_argument("--spread", type=float, default=8.0, help="largest / smallest size per budget")
+    sp.add_argument("--hyper", action="store_true", help="batch and LR from DeepSeek's power laws")
+    sr = sw.add_parser("run")
+    sr.add_argument("sweep")
+    sr.add_argument("--print-commands", action="store_true", help="print deepspeed commands instead")
+    sr.add_argument("--nproc", type=int, default=1)
+    scl = sw.add_parser("collect")
+    scl.add_argument("sweep")
+    scl.add_argument("--out")
+    for x in (sp, sr, scl):
+        x.set_defaults(func=_scaling("sweep"))
 
     h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
     h.add_argument("hostfile")

@@ -1,0 +1,230 @@
+"""Scaling laws against published results (data in ../shared/data/scaling) and closed forms."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize_scalar
+
+from llmtrain.cli import main
+from llmtrain.scaling.fit import Runs, fit_approach1, fit_approach2, fit_approach3
+from llmtrain.scaling.io import read_csv
+from llmtrain.scaling.laws import BUILTIN_LAWS, ScalingError, load_law
+
+from .conftest import ROOT, SHARED
+
+DATA = SHARED / "data" / "scaling"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data/scaling is not beside the project")
+
+
+def epoch_runs():
+    rows = list(csv.DictReader(open(DATA / "epoch_chinchilla" / "svg_extracted_data.csv")))
+    N = np.array([float(r["Model Size"]) for r in rows])
+    C = np.array([float(r["Training FLOP"]) for r in rows])
+    L = np.array([float(r["loss"]) for r in rows])
+    keep = L < np.sort(L)[-5]  # Epoch drops the 5 highest-loss points
+    N, C, L = N[keep], C[keep], L[keep]
+    return Runs(N, C / (6 * N), C, L, np.ones(len(L), bool))
+
+
+@pytest.fixture(scope="module")
+def epoch_fit():
+    return fit_approach3(epoch_runs(), bootstrap=40, seed=0)
+
+
+@needs_data
+def test_approach3_reproduces_epoch_refit(epoch_fit):
+    p = epoch_fit["params"]
+    assert len(epoch_runs()) == 240
+    assert p["E"] == pytest.approx(1.8172, abs=0.02)
+    assert p["alpha"] == pytest.approx(0.3478, abs=0.01)
+    assert p["beta"] == pytest.approx(0.3658, abs=0.01)
+    assert p["A"] == pytest.approx(482.01, rel=0.1)
+    assert p["B"] == pytest.approx(2085.43, rel=0.1)
+    assert p["a_exp"] == pytest.approx(0.51, abs=0.01)
+    assert epoch_fit["starts"] == 4500 and not epoch_fit["on_grid_edge"]
+    ci = epoch_fit["bootstrap"]["ci95"]
+    for k, v in (("E", 1.8172), ("alpha", 0.3478), ("beta", 0.3658)):
+        assert ci[k][0] <= v <= ci[k][1], (k, ci[k])
+
+
+@needs_data
+def test_averaging_the_huber_loss_would_be_caught(epoch_fit):
+    """The objective is the sum over runs; averaging it shrinks the gradient below L-BFGS's
+    tolerance and the grid search ends near its starting values, far from Epoch's refit."""
+    from llmtrain.scaling.fit import DELTA, _objective, grid_search
+
+    runs = epoch_runs()
+    logs = (np.log(runs.N), np.log(runs.D), np.log(runs.loss))
+    theta = np.array([6.0, 7.0, 0.6, 0.35, 0.37])
+    pred = np.logaddexp(np.logaddexp(theta[0] - theta[3] * logs[0], theta[1] - theta[4] * logs[1]), theta[2])
+    r = np.abs(pred - logs[2])
+    huber = np.where(r <= DELTA, 0.5 * r**2, DELTA * (r - 0.5 * DELTA))
+    assert _objective(theta, *logs)[0] == pytest.approx(huber.sum())
+    grid = epoch_fit["grid_best"]  # the sum, before the final polish
+    assert grid["B"] == pytest.approx(2085.43, rel=0.1) and grid["alpha"] == pytest.approx(0.3478, abs=0.01)
+    mean_best, _, _ = grid_search(*logs, reduce="mean")
+    assert abs(np.exp(mean_best.x[1]) / 2085.43 - 1) > 0.3
+
+
+@needs_data
+def test_approach2_on_llama3_isoflops():
+    rows = list(csv.DictReader(open(DATA / "llama3_isoflops" / "isoflops_points.csv")))
+    C = np.array([float(r["compute_budget"]) for r in rows])
+    D = np.array([float(r["training_tokens"]) for r in rows])
+    L = np.array([float(r["validation_loss"]) for r in rows])
+    out = fit_approach2(Runs(C / (6 * D), D, C, L, np.ones(len(L), bool)), bootstrap=50)
+    assert out["n_budgets"] == 10
+    assert out["b_exp"] == pytest.approx(0.53, abs=0.03)  # Llama 3: D* ∝ C^0.53
+    assert out["d_coef"] == pytest.approx(0.29, rel=0.25)
+    lo, hi = out["bootstrap"]["ci95"]["b_exp"]
+    assert lo < out["b_exp"] < hi
+
+
+@needs_data
+def test_approach1_uses_only_finished_runs_by_default():
+    r = read_csv(DATA / "misfitting_li2025" / "scaling_results.csv")
+    assert r.final.sum() < len(r) / 10
+    out = fit_approach1(r)
+    assert "end-of-schedule" in out["note"]
+    assert len(out["envelope"]) >= 3 and 0.2 < out["a_exp"] < 0.8
+    assert abs(out["a_exp"] + out["b_exp"] - 1) < 0.05  # C ∝ N·D along the frontier
+    inter = fit_approach1(r, allow_intermediate=True)
+    assert "intermediate" in inter["note"] and inter["a_exp"] != out["a_exp"]
+
+
+def test_closed_form_allocation_is_the_constrained_minimum():
+    for law in BUILTIN_LAWS.values():
+        c = 1e21
+        a = law.allocate(c)
+        res = minimize_scalar(lambda ln: law.loss(np.exp(ln), c / (6 * np.exp(ln))), bounds=(10, 40), method="bounded")
+        assert a["n_opt"] == pytest.approx(np.exp(res.x), rel=1e-3)
+        assert 6 * a["n_opt"] * a["d_opt"] == pytest.approx(c)
+        assert law.flops_for_loss(a["loss"])["flops"] == pytest.approx(c, rel=1e-6)
+        assert law.tokens_for_params(a["n_opt"])["d_opt"] == pytest.approx(a["d_opt"], rel=1e-6)
+        assert law.params_for_tokens(a["d_opt"])["n_opt"] == pytest.approx(a["n_opt"], rel=1e-6)
+    with pytest.raises(ScalingError, match="irreducible"):
+        BUILTIN_LAWS["chinchilla"].flops_for_loss(1.5)
+
+
+def test_chinchilla_law_at_gopher_compute():
+    a = BUILTIN_LAWS["chinchilla"].allocate(5.76e23)
+    assert a["n_opt"] == pytest.approx(40e9, rel=0.05)  # Hoffmann et al. Table 3, approach 3
+
+
+def _synthetic(budgets=(1e18, 1e19, 1e20), per=6, law=BUILTIN_LAWS["epoch"], noise=0.0):
+    rng = np.random.default_rng(0)
+    N, D, C, L = [], [], [], []
+    for c in budgets:
+        center = law.allocate(c)["n_opt"]
+        for n in center * np.logspace(-1, 1, per):
+            d = c / (6 * n)
+            N.append(n), D.append(d), C.append(c), L.append(law.loss(n, d) * np.exp(noise * rng.normal()))
+    return Runs(np.array(N), np.array(D), np.array(C), np.array(L), np.ones(len(L), bool))
+
+
+def test_approaches_agree_on_a_known_law():
+    law = BUILTIN_LAWS["epoch"]
+    r = _synthetic()
+    a2 = fit_approach2(r)
+    assert a2["a_exp"] == pytest.approx(law.a, abs=0.02)
+    a3 = fit_approach3(r)
+    assert a3["params"]["alpha"] == pytest.approx(law.alpha, abs=0.01)
+    assert a3["params"]["E"] == pytest.approx(law.E, abs=0.01)
+
+
+def test_bad_input_gets_clear_messages():
+    r = _synthetic()
+    with pytest.raises(ScalingError, match="too few"):
+        fit_approach3(r.subset(np.arange(5)))
+    with pytest.raises(ScalingError, match="one"):
+        fit_approach2(r.subset(r.C == 1e18))
+    bad = _synthetic()
+    bad.loss[3] = np.nan
+    with pytest.raises(ScalingError, match="NaN"):
+        fit_approach3(bad)
+    bad = _synthetic()
+    bad.N[0] = -1
+    with pytest.raises(ScalingError, match="positive"):
+        fit_approach2(bad)
+    flat = _synthetic()
+    flat.loss[flat.C == 1e18] = np.linspace(3, 2, 6)  # monotone: no minimum
+    with pytest.raises(ScalingError, match="curve upward"):
+        fit_approach2(flat)
+
+
+def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
+    r = _synthetic(noise=0.002)
+    f = tmp_path / "runs.csv"
+    with open(f, "w") as fh:
+        fh.write("params,tokens,L\n" + "".join(f"{n},{d},{l}\n" for n, d, l in zip(r.N, r.D, r.loss)))
+    argv = ["scaling", "fit", str(f), "--n-col", "params", "--d-col", "tokens", "--loss-col", "L",
+            "--approach", "all", "--bootstrap", "20", "--plot", str(tmp_path / "fit.png"), "--out", str(tmp_path / "fit.json")]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "Approach 3" in text and "Approach 2" in text
+    assert (tmp_path / "fit.png").stat().st_size > 20_000
+    law = load_law(str(tmp_path / "fit.json"))
+    assert law.alpha == pytest.approx(BUILTIN_LAWS["epoch"].alpha, abs=0.03)
+    assert main(["scaling", "allocate", "--flops", "1e21", "--law", str(tmp_path / "fit.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_opt"] > 0
+    assert main(["scaling", "fit", str(f)]) == 2  # default column names absent
+    assert "loss column" in capsys.readouterr().err
+
+
+def test_allocate_to_config(tmp_path, capsys):
+    out = tmp_path / "cfg.yaml"
+    fam = ROOT / "configs" / "families" / "debug_family.yaml"
+    assert main(["scaling", "allocate", "--flops", "1e13", "--to-config", str(fam), "--out", str(out), "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    from llmtrain.accounting import count
+    from llmtrain.config import load_config
+
+    cfg = load_config(out)
+    n = count(cfg.model).active_params
+    assert abs(np.log(n / a["n_opt"])) < 0.3
+    tokens = cfg.train.max_steps * cfg.train.global_batch_size * cfg.train.seq_len
+    fpt = count(cfg.model, seq_len=cfg.train.seq_len).flops_per_token
+    assert tokens * fpt == pytest.approx(1e13, rel=0.05)
+    assert cfg.train.lr == pytest.approx(0.3118 * 1e13**-0.125)
+
+
+def test_sweep_plan_writes_an_isoflop_grid(tmp_path, capsys):
+    fam = ROOT / "configs" / "families" / "debug_family.yaml"
+    assert main(["scaling", "sweep", "plan", "--budgets", "3e11", "1e12", "--family", str(fam),
+                 "--out", str(tmp_path), "--sizes", "4"]) == 0  # fmt: skip
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    from llmtrain.config import load_config
+
+    for budget in (3e11, 1e12):
+        runs = [r for r in m["runs"] if r["budget"] == budget]
+        assert len(runs) >= 3
+        for r in runs:
+            load_config(tmp_path / r["config"])
+            assert r["tokens"] * r["flops_per_token"] == pytest.approx(budget, rel=0.1)
+    assert main(["scaling", "sweep", "run", str(tmp_path), "--print-commands"]) == 0
+    assert "deepspeed --num_gpus 1 --module llmtrain.train" in capsys.readouterr().out
+    with pytest.raises(ScalingError, match="no finished runs"):
+        from llmtrain.scaling.sweep import collect
+
+        collect(tmp_path)
+
+
+@pytest.mark.slow
+def test_sweep_runs_skips_finished_and_survives_a_crash(tmp_path, capsys):
+    from llmtrain.scaling import sweep as sw
+    from llmtrain.scaling.laws import Law
+
+    fam = ROOT / "configs" / "families" / "debug_family.yaml"
+    law = Law(1.5, 400, 400, 0.34, 0.28)
+    m = sw.plan([2e10, 6e10], str(fam), tmp_path, law, sizes=3, spread=4)
+    broken = tmp_path / m["runs"][0]["config"]
+    broken.write_text(broken.read_text().replace("num_heads:", "num_heads: 1000\n  x_bad_key:"))
+    status = sw.run(tmp_path)
+    assert status[m["runs"][0]["name"]].startswith("FAILED")
+    assert sum(v.startswith("done") for v in status.values()) == len(m["runs"]) - 1
+    again = sw.run(tmp_path)
+    assert all(v == "done (skipped)" for k, v in again.items() if k != m["runs"][0]["name"])
+    out = sw.collect(tmp_path)
+    assert len(out.read_text().splitlines()) == len(m["runs"])  # header + all but the broken one
