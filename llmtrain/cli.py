@@ -103,6 +103,35 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from llmtrain.export import export
+
+    if args.push_only is None:
+        out = export(args.checkpoint, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
+                     overwrite=args.overwrite, law=args.law, license=args.license)  # fmt: skip
+        print(f"exported to {out}")
+        if args.verify:
+            from llmtrain.export.verify import verify
+
+            v = verify(out, args.checkpoint)
+            print(f"verify with stock transformers: max |logit diff| {v['max_abs_logit_diff']:.2e} "
+                  f"(bound {v['bound']:.0e}), greedy generate equal: {v['generate_equal']}")  # fmt: skip
+            if not v["ok"]:
+                print(
+                    "llmtrain export: error: verification failed; the export differs from the model",
+                    file=sys.stderr,
+                )
+                return 1
+    else:
+        out = Path(args.push_only)
+    if args.push_to_hub:
+        from llmtrain.export.hub import push
+
+        url = push(out, args.push_to_hub, private=args.private, revision=args.revision)
+        print(f"pushed {out} to {url}")
+    return 0
+
+
 def _scaling(name: str):
     def run(args: argparse.Namespace) -> int:
         from llmtrain.scaling import commands
@@ -137,14 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
 
-    sc = sub.add_parser("scaling", help="scaling laws: allocate, fit, sweep").add_subparsers(dest="scaling_cmd", required=True)
-    a = sc.add_parser("allocate", help="compute-optimal N and D for a FLOP budget (and inverse queries)")
+    sc = sub.add_parser("scaling", help="scaling laws: allocate, fit, sweep").add_subparsers(
+        dest="scaling_cmd", required=True
+    )
+    a = sc.add_parser(
+        "allocate", help="compute-optimal N and D for a FLOP budget (and inverse queries)"
+    )
     a.add_argument("--flops", type=float)
     a.add_argument("--target-loss", type=float, help="compute needed to reach this loss")
     a.add_argument("--params", type=float, help="fixed model size: its compute-optimal tokens")
     a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
     a.add_argument("--law", default="chinchilla", help="chinchilla, epoch, or a fit JSON")
-    a.add_argument("--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family")
+    a.add_argument(
+        "--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family"
+    )
     a.add_argument("--out", help="where --to-config writes (default allocated.yaml)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_scaling("allocate"))
@@ -160,10 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--d-col", default="D")
     f.add_argument("--c-col", default="C")
     f.add_argument("--loss-col", default="loss")
-    f.add_argument("--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points")
-    f.add_argument("--intermediate", action="store_true", help="approach 1: use mid-schedule checkpoints too")
+    f.add_argument(
+        "--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points"
+    )
+    f.add_argument(
+        "--intermediate", action="store_true", help="approach 1: use mid-schedule checkpoints too"
+    )
     f.set_defaults(func=_scaling("fit"))
-    sw = sc.add_parser("sweep", help="IsoFLOP sweeps: plan | run | collect").add_subparsers(dest="sweep_cmd", required=True)
+    sw = sc.add_parser("sweep", help="IsoFLOP sweeps: plan | run | collect").add_subparsers(
+        dest="sweep_cmd", required=True
+    )
     sp = sw.add_parser("plan")
     sp.add_argument("--budgets", type=float, nargs="+", required=True)
     sp.add_argument("--family", required=True)
@@ -174,13 +215,44 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hyper", action="store_true", help="batch and LR from DeepSeek's power laws")
     sr = sw.add_parser("run")
     sr.add_argument("sweep")
-    sr.add_argument("--print-commands", action="store_true", help="print deepspeed commands instead")
+    sr.add_argument(
+        "--print-commands", action="store_true", help="print deepspeed commands instead"
+    )
     sr.add_argument("--nproc", type=int, default=1)
     scl = sw.add_parser("collect")
     scl.add_argument("sweep")
     scl.add_argument("--out")
     for x in (sp, sr, scl):
         x.set_defaults(func=_scaling("sweep"))
+
+    e = sub.add_parser(
+        "export", help="checkpoint -> Hugging Face DeepseekV3/V2 directory (and Hub)"
+    )
+    e.add_argument("checkpoint", nargs="?", help="a checkpoint or run directory")
+    e.add_argument("--out", help="output directory")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    e.add_argument("--shard-size", default="5GB")
+    e.add_argument(
+        "--drop-mtp", action="store_true", help="leave multi-token-prediction weights out"
+    )
+    e.add_argument("--overwrite", action="store_true")
+    e.add_argument(
+        "--law", help="a scaling law (name or fit JSON) whose prediction goes in the card"
+    )
+    e.add_argument("--license", default="apache-2.0")
+    e.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare with stock transformers after writing (default on)",
+    )
+    e.add_argument("--push-to-hub", metavar="ORG/NAME")
+    e.add_argument("--private", action="store_true")
+    e.add_argument("--revision", default=None)
+    e.add_argument(
+        "--push-only", metavar="DIR", help="push an existing export again (no re-export)"
+    )
+    e.set_defaults(func=cmd_export)
 
     h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
     h.add_argument("hostfile")
@@ -205,17 +277,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as e:
-        from llmtrain.data.corpus import DataError
-        from llmtrain.train.checkpoint import CheckpointError
-        from llmtrain.train.loop import TrainingError
-
-        if not isinstance(
-            e,
-            (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError),
-        ):
+        if not isinstance(e, _user_errors()):
             raise
         print(f"llmtrain {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type, ...]:
+    """Errors that carry a message for the user (no traceback): bad config, data, input."""
+    from llmtrain.data.corpus import DataError
+    from llmtrain.export import ExportError
+    from llmtrain.export.hub import HubError
+    from llmtrain.parallel.hostfile import HostfileError
+    from llmtrain.scaling.laws import ScalingError
+    from llmtrain.train.checkpoint import CheckpointError
+    from llmtrain.train.loop import TrainingError
+
+    return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,
+            ScalingError, HostfileError, ExportError, HubError)  # fmt: skip
 
 
 if __name__ == "__main__":

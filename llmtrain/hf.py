@@ -320,6 +320,8 @@ def from_pretrained(
     from llmtrain.model import build_model
 
     path = Path(path)
+    if (path / "state.json").is_file() or (path / "checkpoints").is_dir():
+        return _from_our_checkpoint(path, device, dtype)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
@@ -344,4 +346,27 @@ def from_pretrained(
     model.to(device=device, dtype=dtype)
     for m in model.moe_layers():
         m.gate.float()
+    return model.eval()
+
+
+def _from_our_checkpoint(path: Path, device, dtype):
+    """One of our run directories or checkpoints, whatever layout wrote it (they are consolidated)."""
+    from safetensors.torch import load_file
+
+    from llmtrain.config import load_config
+    from llmtrain.export import resolve_checkpoint
+    from llmtrain.model import build_model
+    from llmtrain.train.checkpoint import load_weights_into, weight_files
+
+    ck = resolve_checkpoint(path)
+    cfg = load_config(ck / "config.yaml")
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(set(weight_files(ck).values())):
+        weights.update(load_file(str(ck / f)))
+    model = build_model(cfg.model, device=device)
+    load_weights_into(model, weights)
+    if dtype != torch.float32:
+        model.to(dtype)
+        for m in model.moe_layers():
+            m.gate.float()
     return model.eval()

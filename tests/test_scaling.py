@@ -15,7 +15,9 @@ from llmtrain.scaling.laws import BUILTIN_LAWS, ScalingError, load_law
 from .conftest import ROOT, SHARED
 
 DATA = SHARED / "data" / "scaling"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data/scaling is not beside the project")
+needs_data = pytest.mark.skipif(
+    not DATA.is_dir(), reason="../shared/data/scaling is not beside the project"
+)
 
 
 def epoch_runs():
@@ -58,12 +60,16 @@ def test_averaging_the_huber_loss_would_be_caught(epoch_fit):
     runs = epoch_runs()
     logs = (np.log(runs.N), np.log(runs.D), np.log(runs.loss))
     theta = np.array([6.0, 7.0, 0.6, 0.35, 0.37])
-    pred = np.logaddexp(np.logaddexp(theta[0] - theta[3] * logs[0], theta[1] - theta[4] * logs[1]), theta[2])
+    pred = np.logaddexp(
+        np.logaddexp(theta[0] - theta[3] * logs[0], theta[1] - theta[4] * logs[1]), theta[2]
+    )
     r = np.abs(pred - logs[2])
     huber = np.where(r <= DELTA, 0.5 * r**2, DELTA * (r - 0.5 * DELTA))
     assert _objective(theta, *logs)[0] == pytest.approx(huber.sum())
     grid = epoch_fit["grid_best"]  # the sum, before the final polish
-    assert grid["B"] == pytest.approx(2085.43, rel=0.1) and grid["alpha"] == pytest.approx(0.3478, abs=0.01)
+    assert grid["B"] == pytest.approx(2085.43, rel=0.1) and grid["alpha"] == pytest.approx(
+        0.3478, abs=0.01
+    )
     mean_best, _, _ = grid_search(*logs, reduce="mean")
     assert abs(np.exp(mean_best.x[1]) / 2085.43 - 1) > 0.3
 
@@ -98,7 +104,11 @@ def test_closed_form_allocation_is_the_constrained_minimum():
     for law in BUILTIN_LAWS.values():
         c = 1e21
         a = law.allocate(c)
-        res = minimize_scalar(lambda ln: law.loss(np.exp(ln), c / (6 * np.exp(ln))), bounds=(10, 40), method="bounded")
+        res = minimize_scalar(
+            lambda ln, law=law, c=c: law.loss(np.exp(ln), c / (6 * np.exp(ln))),
+            bounds=(10, 40),
+            method="bounded",
+        )
         assert a["n_opt"] == pytest.approx(np.exp(res.x), rel=1e-3)
         assert 6 * a["n_opt"] * a["d_opt"] == pytest.approx(c)
         assert law.flops_for_loss(a["loss"])["flops"] == pytest.approx(c, rel=1e-6)
@@ -120,7 +130,12 @@ def _synthetic(budgets=(1e18, 1e19, 1e20), per=6, law=BUILTIN_LAWS["epoch"], noi
         center = law.allocate(c)["n_opt"]
         for n in center * np.logspace(-1, 1, per):
             d = c / (6 * n)
-            N.append(n), D.append(d), C.append(c), L.append(law.loss(n, d) * np.exp(noise * rng.normal()))
+            (
+                N.append(n),
+                D.append(d),
+                C.append(c),
+                L.append(law.loss(n, d) * np.exp(noise * rng.normal())),
+            )
     return Runs(np.array(N), np.array(D), np.array(C), np.array(L), np.ones(len(L), bool))
 
 
@@ -158,7 +173,9 @@ def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
     r = _synthetic(noise=0.002)
     f = tmp_path / "runs.csv"
     with open(f, "w") as fh:
-        fh.write("params,tokens,L\n" + "".join(f"{n},{d},{l}\n" for n, d, l in zip(r.N, r.D, r.loss)))
+        fh.write(
+            "params,tokens,L\n" + "".join(f"{n},{d},{l}\n" for n, d, l in zip(r.N, r.D, r.loss))
+        )
     argv = ["scaling", "fit", str(f), "--n-col", "params", "--d-col", "tokens", "--loss-col", "L",
             "--approach", "all", "--bootstrap", "20", "--plot", str(tmp_path / "fit.png"), "--out", str(tmp_path / "fit.json")]  # fmt: skip
     assert main(argv) == 0
@@ -167,7 +184,20 @@ def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
     assert (tmp_path / "fit.png").stat().st_size > 20_000
     law = load_law(str(tmp_path / "fit.json"))
     assert law.alpha == pytest.approx(BUILTIN_LAWS["epoch"].alpha, abs=0.03)
-    assert main(["scaling", "allocate", "--flops", "1e21", "--law", str(tmp_path / "fit.json"), "--json"]) == 0
+    assert (
+        main(
+            [
+                "scaling",
+                "allocate",
+                "--flops",
+                "1e21",
+                "--law",
+                str(tmp_path / "fit.json"),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["n_opt"] > 0
     assert main(["scaling", "fit", str(f)]) == 2  # default column names absent
     assert "loss column" in capsys.readouterr().err
@@ -176,7 +206,22 @@ def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
 def test_allocate_to_config(tmp_path, capsys):
     out = tmp_path / "cfg.yaml"
     fam = ROOT / "configs" / "families" / "debug_family.yaml"
-    assert main(["scaling", "allocate", "--flops", "1e13", "--to-config", str(fam), "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "scaling",
+                "allocate",
+                "--flops",
+                "1e13",
+                "--to-config",
+                str(fam),
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     a = json.loads(capsys.readouterr().out)
     from llmtrain.accounting import count
     from llmtrain.config import load_config

@@ -12,7 +12,9 @@ from llmtrain.scaling.laws import ScalingError, deepseek_batch_tokens, deepseek_
 
 
 def _print_allocation(a: dict, law) -> None:
-    print(f"law {law.name}: L(N,D) = {law.E:.4f} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/D^{law.beta:.4f}")
+    print(
+        f"law {law.name}: L(N,D) = {law.E:.4f} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/D^{law.beta:.4f}"
+    )
     print(f"  compute C           {a['flops']:.4g} FLOPs")
     print(f"  N_opt               {fmt_si(a['n_opt'])} parameters")
     print(f"  D_opt               {fmt_si(a['d_opt'])} tokens")
@@ -59,7 +61,9 @@ def allocate(args) -> int:
     print(a["query"])
     _print_allocation(a, law)
     print(f"  6·N·D               {a['c_6nd']:.4g} FLOPs (the law's C = 6ND)")
-    print(f"  DeepSeek batch / LR {fmt_si(a['deepseek_batch_tokens'])} tokens, {a['deepseek_lr']:.3g}")
+    print(
+        f"  DeepSeek batch / LR {fmt_si(a['deepseek_batch_tokens'])} tokens, {a['deepseek_lr']:.3g}"
+    )
     if "config" in a:
         c = a["config"]
         print(f"wrote {c['path']}: {c['active_params']:,} active params, {c['tokens']:,} tokens, "
@@ -71,7 +75,12 @@ def fit(args) -> int:
     from llmtrain.scaling.fit import fit_approach1, fit_approach2, fit_approach3
     from llmtrain.scaling.io import load_runs
 
-    cols = {"n_col": args.n_col, "d_col": args.d_col, "c_col": args.c_col, "loss_col": args.loss_col}
+    cols = {
+        "n_col": args.n_col,
+        "d_col": args.d_col,
+        "c_col": args.c_col,
+        "loss_col": args.loss_col,
+    }
     runs = load_runs(args.runs, **cols)
     if args.drop_highest:
         keep = runs.loss < np.sort(runs.loss)[-args.drop_highest]
@@ -84,11 +93,15 @@ def fit(args) -> int:
     for ap in approaches:
         try:
             if ap == "3":
-                results["approach3"] = fit_approach3(finished, args.bootstrap, args.seed, progress=not args.json)
+                results["approach3"] = fit_approach3(
+                    finished, args.bootstrap, args.seed, progress=not args.json
+                )
             elif ap == "2":
                 results["approach2"] = fit_approach2(finished, args.bootstrap, args.seed)
             else:
-                results["approach1"] = fit_approach1(runs, args.bootstrap, args.seed, allow_intermediate=args.intermediate)
+                results["approach1"] = fit_approach1(
+                    runs, args.bootstrap, args.seed, allow_intermediate=args.intermediate
+                )
         except ScalingError as e:
             if args.approach != "all":
                 raise
@@ -118,7 +131,9 @@ def _jsonable(results: dict) -> dict:
         if isinstance(v, dict):
             v = {kk: vv for kk, vv in v.items() if kk != "law"}
             if "bootstrap" in v:
-                v["bootstrap"] = {kk: vv for kk, vv in v["bootstrap"].items() if kk not in ("samples", "n_curves")}
+                v["bootstrap"] = {
+                    kk: vv for kk, vv in v["bootstrap"].items() if kk not in ("samples", "n_curves")
+                }
         out[k] = v
     return out
 
@@ -129,7 +144,9 @@ def _ci(res, key):
 
 
 def _report(results: dict, args) -> None:
-    print(f"{results['n_points']} points, {results['n_finished']} finished runs; fitted in {results['seconds']:.1f} s")
+    print(
+        f"{results['n_points']} points, {results['n_finished']} finished runs; fitted in {results['seconds']:.1f} s"
+    )
     if "approach3" in results:
         r = results["approach3"]
         p = r["params"]
@@ -140,7 +157,10 @@ def _report(results: dict, args) -> None:
         edge = r["on_grid_edge"]
         print(f"  on the edge of the start grid: {', '.join(edge) if edge else 'no'}")
         print(f"  residual rms (log loss): {r['residual_rms']:.4f}")
-    for key, title in (("approach2", "Approach 2 (IsoFLOP parabolas)"), ("approach1", "Approach 1 (envelope)")):
+    for key, title in (
+        ("approach2", "Approach 2 (IsoFLOP parabolas)"),
+        ("approach1", "Approach 1 (envelope)"),
+    ):
         if key in results:
             r = results[key]
             print(f"\n{title}:")
@@ -149,7 +169,9 @@ def _report(results: dict, args) -> None:
             else:
                 for m in r["minima"]:
                     flag = "" if m["inside_range"] else "  (minimum outside the sizes tried)"
-                    print(f"  C={m['C']:.3g}: N_opt={fmt_si(m['n_opt'])}, D_opt={fmt_si(m['d_opt'])}, loss {m['loss_min']:.4f}{flag}")
+                    print(
+                        f"  C={m['C']:.3g}: N_opt={fmt_si(m['n_opt'])}, D_opt={fmt_si(m['d_opt'])}, loss {m['loss_min']:.4f}{flag}"
+                    )
             print(f"  N_opt ∝ C^{r['a_exp']:.4f}{_ci(r, 'a_exp')}")
             print(f"  D_opt ∝ C^{r['b_exp']:.4f}{_ci(r, 'b_exp')}")
     for k, v in results.get("errors", {}).items():
@@ -162,9 +184,19 @@ def sweep(args) -> int:
     from llmtrain.scaling import sweep as sw
 
     if args.sweep_cmd == "plan":
-        m = sw.plan(args.budgets, args.family, Path(args.out), load_law(args.law), args.sizes, args.spread, args.hyper)
+        m = sw.plan(
+            args.budgets,
+            args.family,
+            Path(args.out),
+            load_law(args.law),
+            args.sizes,
+            args.spread,
+            args.hyper,
+        )
         for r in m["runs"]:
-            print(f"{r['name']}: {r['active_params']:,} active params, {r['tokens']:,} tokens, {r['steps']} steps")
+            print(
+                f"{r['name']}: {r['active_params']:,} active params, {r['tokens']:,} tokens, {r['steps']} steps"
+            )
         print(f"{len(m['runs'])} runs planned in {args.out}")
     elif args.sweep_cmd == "run":
         status = sw.run(Path(args.sweep), print_only=args.print_commands, nproc=args.nproc)

@@ -49,7 +49,10 @@ class Family:
     def candidates(self) -> list[Config]:
         r = self.rules
         step = int(r["width_multiple"])
-        return [self.config_for_hidden(h) for h in range(int(r["min_hidden"]), int(r["max_hidden"]) + 1, step)]
+        return [
+            self.config_for_hidden(h)
+            for h in range(int(r["min_hidden"]), int(r["max_hidden"]) + 1, step)
+        ]
 
     def closest(self, n_params: float) -> tuple[Config, int]:
         best = min(
@@ -59,7 +62,9 @@ class Family:
         return best
 
 
-def training_config(fam: Family, n_target: float, flops: float, hyper: bool = True) -> tuple[Config, dict]:
+def training_config(
+    fam: Family, n_target: float, flops: float, hyper: bool = True
+) -> tuple[Config, dict]:
     """The family member nearest `n_target` active params, trained for `flops` FLOPs.
 
     With `hyper`, the global batch (tokens) and peak LR follow DeepSeek LLM (2024):
@@ -70,7 +75,10 @@ def training_config(fam: Family, n_target: float, flops: float, hyper: bool = Tr
     tokens = flops / fpt
     if hyper:
         b_tokens = deepseek_batch_tokens(flops)
-        seqs = max(t.micro_batch_size, round(b_tokens / t.seq_len / t.micro_batch_size) * t.micro_batch_size)
+        seqs = max(
+            t.micro_batch_size,
+            round(b_tokens / t.seq_len / t.micro_batch_size) * t.micro_batch_size,
+        )
         t.global_batch_size = int(seqs)
         t.lr = float(deepseek_lr(flops))
     steps = max(1, math.ceil(tokens / (t.global_batch_size * t.seq_len)))

@@ -58,7 +58,9 @@ def check_runs(r: Runs, what: str) -> None:
                                "drop those runs (a crashed run has no final loss)")  # fmt: skip
         bad = np.nonzero(v <= 0)[0]
         if len(bad):
-            raise ScalingError(f"{what}: {name} must be positive; row(s) {bad[:5].tolist()} are not")
+            raise ScalingError(
+                f"{what}: {name} must be positive; row(s) {bad[:5].tolist()} are not"
+            )
 
 
 # ---------------------------------------------------------------- Approach 3
@@ -98,7 +100,9 @@ def _minimize(x0, logN, logD, logL, reduce="sum", tight: bool = False):
 
 def _law(theta, name="fit") -> Law:
     a, b, e, alpha, beta = theta
-    return Law(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta), name=name)
+    return Law(
+        E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta), name=name
+    )
 
 
 def grid_search(logN, logD, logL, reduce: str = "sum", progress: bool = False):
@@ -121,12 +125,18 @@ def grid_search(logN, logD, logL, reduce: str = "sum", progress: bool = False):
     return best, n_ok, len(starts)
 
 
-def fit_approach3(r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum", progress: bool = False) -> dict:
+def fit_approach3(
+    r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum", progress: bool = False
+) -> dict:
     check_runs(r, "approach 3")
     if len(r) < 10:
-        raise ScalingError(f"approach 3 fits 5 parameters; {len(r)} runs are too few (give at least 10)")
+        raise ScalingError(
+            f"approach 3 fits 5 parameters; {len(r)} runs are too few (give at least 10)"
+        )
     if len(np.unique(r.N)) < 3 or len(np.unique(r.D)) < 3:
-        raise ScalingError("approach 3 needs at least 3 distinct model sizes and 3 distinct token counts")
+        raise ScalingError(
+            "approach 3 needs at least 3 distinct model sizes and 3 distinct token counts"
+        )
     logN, logD, logL = np.log(r.N), np.log(r.D), np.log(r.loss)
     best, n_ok, n_starts = grid_search(logN, logD, logL, reduce, progress)
     grid_theta = best.x.copy()
@@ -142,8 +152,16 @@ def fit_approach3(r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum
             edge.append(k)
     pred = np.log([law.loss(n, d) for n, d in zip(r.N, r.D)])
     out = {
-        "params": {"E": law.E, "A": law.A, "B": law.B, "alpha": law.alpha, "beta": law.beta,
-                   "a_exp": law.a, "b_exp": law.b, "G": law.G},  # fmt: skip
+        "params": {
+            "E": law.E,
+            "A": law.A,
+            "B": law.B,
+            "alpha": law.alpha,
+            "beta": law.beta,
+            "a_exp": law.a,
+            "b_exp": law.b,
+            "G": law.G,
+        },  # fmt: skip
         "theta": dict(zip(ORDER, map(float, theta))),
         "objective": float(best.fun),
         "n_runs": len(r),
@@ -167,7 +185,10 @@ def fit_approach3(r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum
         out["bootstrap"] = {
             "resamples": bootstrap,
             "seed": seed,
-            "ci95": {n: [float(np.percentile(s[:, i], 2.5)), float(np.percentile(s[:, i], 97.5))] for i, n in enumerate(names)},
+            "ci95": {
+                n: [float(np.percentile(s[:, i], 2.5)), float(np.percentile(s[:, i], 97.5))]
+                for i, n in enumerate(names)
+            },
             "samples": s.tolist(),
         }
     out["law"] = law
@@ -200,10 +221,14 @@ def _isoflop_minima(r: Runs, labels, k: float):
     for g in np.unique(labels):
         sel = labels == g
         if sel.sum() < 3:
-            raise ScalingError(f"budget C≈{r.C[sel].mean():.3g} has {sel.sum()} runs; an IsoFLOP parabola needs >= 3")
+            raise ScalingError(
+                f"budget C≈{r.C[sel].mean():.3g} has {sel.sum()} runs; an IsoFLOP parabola needs >= 3"
+            )
         x, y = np.log(r.N[sel]), r.loss[sel]
         if len(np.unique(x)) < 3:
-            raise ScalingError(f"budget C≈{r.C[sel].mean():.3g} has fewer than 3 distinct model sizes")
+            raise ScalingError(
+                f"budget C≈{r.C[sel].mean():.3g} has fewer than 3 distinct model sizes"
+            )
         c2, c1, c0 = np.polyfit(x, y, 2)
         if c2 <= 0:
             raise ScalingError(f"the runs at C≈{r.C[sel].mean():.3g} do not curve upward in log N (no minimum); "
@@ -225,12 +250,24 @@ def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) ->
     Cs = np.array([m["C"] for m in minima])
     a, ka = _powerlaw(Cs, [m["n_opt"] for m in minima])
     b, kb = _powerlaw(Cs, [m["d_opt"] for m in minima])
-    out = {"minima": minima, "a_exp": a, "n_coef": ka, "b_exp": b, "d_coef": kb, "n_budgets": len(minima)}
+    out = {
+        "minima": minima,
+        "a_exp": a,
+        "n_coef": ka,
+        "b_exp": b,
+        "d_coef": kb,
+        "n_budgets": len(minima),
+    }
     if bootstrap:
         rng = np.random.default_rng(seed)
         sa, sb, curves = [], [], []
         for _ in range(bootstrap):
-            idx = np.concatenate([rng.choice(np.nonzero(labels == g)[0], (labels == g).sum()) for g in np.unique(labels)])
+            idx = np.concatenate(
+                [
+                    rng.choice(np.nonzero(labels == g)[0], (labels == g).sum())
+                    for g in np.unique(labels)
+                ]
+            )
             try:
                 mm = _isoflop_minima(r.subset(idx), labels[idx], k)
             except ScalingError:
@@ -250,7 +287,9 @@ def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) ->
 # ---------------------------------------------------------------- Approach 1
 
 
-def fit_approach1(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0, allow_intermediate: bool = False) -> dict:
+def fit_approach1(
+    r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0, allow_intermediate: bool = False
+) -> dict:
     """Lower envelope of loss against compute over finished runs, then power laws in C.
 
     A checkpoint in the middle of a decaying schedule is not the loss a run of that length

@@ -23,8 +23,15 @@ def _num(row: dict, col: str, where: str) -> float:
         raise ScalingError(f"{where}: column {col!r} holds {raw!r}, not a number") from e
 
 
-def read_csv(path: Path, n_col="N", d_col="D", c_col="C", loss_col="loss", final_col="portion_steps_elapsed",
-             k: float = 6.0) -> Runs:
+def read_csv(
+    path: Path,
+    n_col="N",
+    d_col="D",
+    c_col="C",
+    loss_col="loss",
+    final_col="portion_steps_elapsed",
+    k: float = 6.0,
+) -> Runs:
     """Columns N and D (or C: then D = C/(k·N); or N missing: N = C/(k·D)) and loss."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -32,7 +39,9 @@ def read_csv(path: Path, n_col="N", d_col="D", c_col="C", loss_col="loss", final
         raise ScalingError(f"{path} holds no rows")
     cols = set(rows[0])
     if loss_col not in cols:
-        raise ScalingError(f"{path}: no loss column {loss_col!r} (columns: {sorted(cols)}); set --loss-col")
+        raise ScalingError(
+            f"{path}: no loss column {loss_col!r} (columns: {sorted(cols)}); set --loss-col"
+        )
     have_n, have_d, have_c = n_col in cols, d_col in cols, c_col in cols
     if sum([have_n, have_d, have_c]) < 2:
         raise ScalingError(f"{path}: need two of the columns N={n_col!r}, D={d_col!r}, C={c_col!r} "
@@ -51,7 +60,14 @@ def read_csv(path: Path, n_col="N", d_col="D", c_col="C", loss_col="loss", final
             c = k * n * d
         N.append(n), D.append(d), C.append(c), L.append(_num(row, loss_col, where))
         F.append(final_col not in cols or _num(row, final_col, where) >= 1.0)
-    return Runs(np.array(N), np.array(D), np.array(C), np.array(L), np.array(F), [f"{path}:{i}" for i in range(2, len(rows) + 2)])
+    return Runs(
+        np.array(N),
+        np.array(D),
+        np.array(C),
+        np.array(L),
+        np.array(F),
+        [f"{path}:{i}" for i in range(2, len(rows) + 2)],
+    )
 
 
 def read_run_dir(path: Path) -> Runs:
@@ -74,7 +90,13 @@ def read_run_dir(path: Path) -> Runs:
         d = r["step"] * tokens_per_step
         final = r["step"] == cfg.train.max_steps
         loss = r.get("val_loss", r["loss"]) if final else r["loss"]
-        N.append(c.active_params), D.append(d), C.append(c.flops_per_token * d), L.append(loss), F.append(final)
+        (
+            N.append(c.active_params),
+            D.append(d),
+            C.append(c.flops_per_token * d),
+            L.append(loss),
+            F.append(final),
+        )
     return Runs(np.array(N, float), np.array(D, float), np.array(C, float), np.array(L, float), np.array(F),
                 [str(path)] * len(recs))  # fmt: skip
 

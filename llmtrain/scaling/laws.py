@@ -65,7 +65,9 @@ class Law:
     def flops_for_loss(self, target: float, k: float = 6.0) -> dict:
         """The smallest compute whose compute-optimal model reaches `target`."""
         if target <= self.E:
-            raise ScalingError(f"target loss {target} is at or below the irreducible loss E={self.E:.4f}")
+            raise ScalingError(
+                f"target loss {target} is at or below the irreducible loss E={self.E:.4f}"
+            )
         f = lambda lc: self.optimal_loss(10**lc, k) - target
         lo, hi = 0.0, 40.0
         if f(lo) < 0:
@@ -106,11 +108,17 @@ def load_law(spec: str) -> Law:
         return BUILTIN_LAWS[spec]
     p = Path(spec)
     if not p.is_file():
-        raise ScalingError(f"law {spec!r} is neither built in ({', '.join(BUILTIN_LAWS)}) nor a file")
+        raise ScalingError(
+            f"law {spec!r} is neither built in ({', '.join(BUILTIN_LAWS)}) nor a file"
+        )
     data = json.loads(p.read_text())
     params = data.get("approach3", {}).get("params") or data.get("params") or data
     try:
-        return Law(*(float(params[k]) for k in ("E", "A", "B", "alpha", "beta")), name=p.stem, source=str(p))
+        return Law(
+            *(float(params[k]) for k in ("E", "A", "B", "alpha", "beta")),
+            name=p.stem,
+            source=str(p),
+        )
     except KeyError as e:
         raise ScalingError(f"{p} holds no Approach-3 fit (missing {e})") from e
 

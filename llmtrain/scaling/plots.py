@@ -25,7 +25,9 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
     for j, g in enumerate(groups):
         sel = labels == g
         col = cmap(j / max(1, len(groups) - 1))
-        ax.scatter(runs.N[sel], runs.loss[sel], color=col, s=18, label=f"C={runs.C[sel].mean():.2g}")
+        ax.scatter(
+            runs.N[sel], runs.loss[sel], color=col, s=18, label=f"C={runs.C[sel].mean():.2g}"
+        )
         if a2 and j < len(a2["minima"]):
             m = a2["minima"][j]
             xs = np.linspace(np.log(runs.N[sel].min()), np.log(runs.N[sel].max()), 100)
@@ -45,7 +47,13 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         if not res:
             continue
         pts = res[pts_key]
-        ax.scatter([p["C"] for p in pts], [p.get("n_opt", p.get("N")) for p in pts], color=color, s=22, zorder=3)
+        ax.scatter(
+            [p["C"] for p in pts],
+            [p.get("n_opt", p.get("N")) for p in pts],
+            color=color,
+            s=22,
+            zorder=3,
+        )
         ax.plot(cgrid, res["n_coef"] * cgrid ** res["a_exp"], color=color,
                 label=f"{key}: N_opt ∝ C^{res['a_exp']:.3f}")  # fmt: skip
         curves = res.get("bootstrap", {}).get("n_curves")
@@ -62,7 +70,9 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         if s:
             from llmtrain.scaling.laws import Law
 
-            preds = np.array([[Law(*row[:5]).allocate(c)["n_opt"] for c in cgrid] for row in s[:300]])
+            preds = np.array(
+                [[Law(*row[:5]).allocate(c)["n_opt"] for c in cgrid] for row in s[:300]]
+            )
             lo, hi = np.percentile(preds, [2.5, 97.5], axis=0)
             ax.fill_between(cgrid, lo, hi, color="gray", alpha=0.2, label="approach3 95% band")
     ax.set_xscale("log")

@@ -42,10 +42,17 @@ def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4,
             seen.add(key)
             name = f"C{c:.0e}_N{info['active_params']:.3g}".replace("+", "")
             cfg_path = out / "configs" / f"{name}.yaml"
-            write_config(cfg, cfg_path, f"IsoFLOP sweep point: budget {c:.3g} FLOPs, {json.dumps(info)}")
+            write_config(
+                cfg, cfg_path, f"IsoFLOP sweep point: budget {c:.3g} FLOPs, {json.dumps(info)}"
+            )
             runs.append({"name": name, "budget": c, "config": str(cfg_path.relative_to(out)),
                          "run_dir": f"runs/{name}", **info})  # fmt: skip
-    manifest = {"family": str(Path(family).resolve()), "law": law.to_json(), "budgets": sorted(budgets), "runs": runs}
+    manifest = {
+        "family": str(Path(family).resolve()),
+        "law": law.to_json(),
+        "budgets": sorted(budgets),
+        "runs": runs,
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -53,7 +60,9 @@ def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4,
 def _manifest(sweep: Path) -> dict:
     f = sweep / MANIFEST
     if not f.is_file():
-        raise ScalingError(f"{sweep} has no {MANIFEST}; create it with `llmtrain scaling sweep plan`")
+        raise ScalingError(
+            f"{sweep} has no {MANIFEST}; create it with `llmtrain scaling sweep plan`"
+        )
     return json.loads(f.read_text())
 
 
@@ -62,7 +71,9 @@ def is_finished(run_dir: Path, max_steps: int) -> bool:
     return latest.is_file() and latest.read_text().strip() == f"step_{max_steps:08d}"
 
 
-def run(sweep: Path, print_only: bool = False, nproc: int = 1, extra: list[str] | None = None) -> dict:
+def run(
+    sweep: Path, print_only: bool = False, nproc: int = 1, extra: list[str] | None = None
+) -> dict:
     """Train every planned run not finished yet; a failed run is reported and the sweep goes on."""
     m = _manifest(sweep)
     status = {}
@@ -90,7 +101,9 @@ def run(sweep: Path, print_only: bool = False, nproc: int = 1, extra: list[str] 
         with open(log, "w") as fh:
             p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
         ok = p.returncode == 0 and is_finished(rd, r["steps"])
-        status[r["name"]] = f"done in {time.time() - t0:.0f}s" if ok else f"FAILED (exit {p.returncode}, see {log})"
+        status[r["name"]] = (
+            f"done in {time.time() - t0:.0f}s" if ok else f"FAILED (exit {p.returncode}, see {log})"
+        )
         print(f"{r['name']}: {status[r['name']]}", flush=True)
     (sweep / "status.json").write_text(json.dumps(status, indent=1))
     return status
@@ -111,7 +124,9 @@ def collect(sweep: Path, out_csv: Path | None = None) -> Path:
         rows.append({"N": r["active_params"], "D": r["tokens"], "C": r["flops_per_token"] * r["tokens"],
                      "loss": loss, "budget": r["budget"], "run": r["name"]})  # fmt: skip
     if not rows:
-        raise ScalingError(f"no finished runs in {sweep}; run `llmtrain scaling sweep run {sweep}` first")
+        raise ScalingError(
+            f"no finished runs in {sweep}; run `llmtrain scaling sweep run {sweep}` first"
+        )
     out_csv = out_csv or sweep / "results.csv"
     with open(out_csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

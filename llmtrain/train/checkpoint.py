@@ -27,6 +27,61 @@ import torch.distributed as dist
 from llmtrain.parallel.engine import is_expert_param
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SHARD_BYTES = 2 * 2**30  # model weights are written in files of at most this size
+
+
+def write_sharded(
+    tensors: dict[str, torch.Tensor], out: Path, stem: str, max_bytes: int
+) -> list[str]:
+    """safetensors files of <= max_bytes each, plus `{stem}.safetensors.index.json` when > 1."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v.contiguous()
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(out / f"{stem}.safetensors"), metadata={"format": "pt"})
+        return [f"{stem}.safetensors"]
+    names, weight_map = [], {}
+    for i, sh in enumerate(shards, start=1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(out / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({k: name for k in sh})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (out / f"{stem}.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    return names
+
+
+def weight_files(ckpt: Path) -> dict[str, str]:
+    """tensor name -> file, for a sharded or single-file checkpoint; missing files are errors."""
+    from safetensors import safe_open
+
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = json.loads(index.read_text())["weight_map"]
+        for f in sorted(set(wmap.values())):
+            if not (ckpt / f).is_file():
+                raise CheckpointError(
+                    f"checkpoint {ckpt} is missing the shard {f} named in its index"
+                )
+        return wmap
+    single = ckpt / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no model.safetensors (nor an index)")
+    try:
+        with safe_open(str(single), "pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{single} is unreadable: {e}") from e
 
 
 class CheckpointError(RuntimeError):
@@ -82,7 +137,7 @@ def save_checkpoint(
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        write_sharded(weights, tmp, "model", SHARD_BYTES)
         save_file(
             {k: v.contiguous() for k, v in moments.items()}, str(tmp / "optimizer.safetensors")
         )
@@ -119,11 +174,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def read_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     from safetensors.torch import load_file
 
-    for f in ("model.safetensors", "optimizer.safetensors", "state.json"):
+    for f in ("optimizer.safetensors", "state.json"):
         if not (ckpt / f).is_file():
             raise CheckpointError(f"checkpoint {ckpt} lacks {f}")
+    wmap = weight_files(ckpt)
     try:
-        weights = load_file(str(ckpt / "model.safetensors"))
+        weights = {}
+        for f in sorted(set(wmap.values())):
+            weights.update(load_file(str(ckpt / f)))
         moments = load_file(str(ckpt / "optimizer.safetensors"))
     except Exception as e:  # safetensors raises its own error types on corrupt files
         raise CheckpointError(f"checkpoint {ckpt} is unreadable: {e}") from e

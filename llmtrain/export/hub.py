@@ -1,0 +1,53 @@
+"""Push an export directory to the Hugging Face Hub with `huggingface_hub`.
+
+The token comes from the usual places (HF_TOKEN, the login cache) and is never printed or
+written. A failed upload leaves the local export as it was; push it again with
+`llmtrain export --push-only DIR --push-to-hub ORG/NAME`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class HubError(RuntimeError):
+    pass
+
+
+def push(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+         token: str | None = None, commit_message: str | None = None) -> str:  # fmt: skip
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise HubError(f"{folder} is not an export (no config.json); run `llmtrain export` first")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"repository name {repo_id!r} is invalid: {e}") from None
+    token = token or get_token()
+    if not token:
+        raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again with "
+                       f"`llmtrain export --push-only {folder} --push-to-hub {repo_id}`")  # fmt: skip
+    api = HfApi(token=token)
+    retry = f"the export in {folder} is untouched; retry with `llmtrain export --push-only {folder} --push-to-hub {repo_id}`"
+    try:
+        user = api.whoami()
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            revision=revision,
+            commit_message=commit_message or f"Upload {folder.name} with llmtrain",
+        )
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", "?")
+        reason = str(e).splitlines()[0].replace(token, "***")
+        raise HubError(f"the Hub refused the push (HTTP {status}: {reason}); {retry}") from None
+    except OSError as e:
+        raise HubError(f"could not reach the Hub ({e.__class__.__name__}); {retry}") from None
+    return f"{url}" + (f"/tree/{revision}" if revision else "") + f" (as {user.get('name', '?')})"

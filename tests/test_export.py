@@ -1,0 +1,275 @@
+"""Export: trained checkpoints (any layout) -> stock transformers with the same logits; Hub push."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import llmtrain
+from llmtrain.config import load_config
+from llmtrain.export import ExportError, export, save_consolidated
+
+from .conftest import ROOT
+from .fake_hub import TOKEN, FakeHub
+from .hf_utils import make_hf_model
+from .train_utils import run_train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _train(path, cache, nproc, *extra):
+    run_train(path, nproc, ["train.max_steps=4", "train.warmup_steps=1", f"data.cache_dir={cache}",
+                            "train.sample_tokens=0", "train.save_every=4", "train.tensorboard=false", *extra])  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory, cache):
+    """2 ranks, ZeRO-2, experts split over 2 ranks, multi-token prediction on."""
+    return _train(tmp_path_factory.mktemp("ep") / "run", cache, 2, "parallel.zero_stage=2", "parallel.ep_size=2",
+                  "model.mtp_depth=1")  # fmt: skip
+
+
+IDS = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def hf_logits_fresh_process(model_dir, repo=None, env_extra=None) -> torch.Tensor:
+    """Load with stock transformers in a new process (offline unless a hub is given)."""
+    code = (
+        "import sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({repo or str(model_dir)!r}, dtype=torch.float32).eval()\n"
+        "ids = torch.load(sys.argv[1])\n"
+        "with torch.no_grad(): torch.save(m(ids).logits, sys.argv[2])\n"
+        "print(type(m).__name__)\n"
+    )
+    tmp = model_dir if repo is None else model_dir.parent
+    tmp.mkdir(parents=True, exist_ok=True)
+    ids_f, out_f = tmp / "ids.pt", tmp / "logits.pt"
+    torch.save(IDS, ids_f)
+    env = dict(os.environ, HF_HUB_OFFLINE="1" if repo is None else "0", **(env_extra or {}))
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(ids_f), str(out_f)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(out_f), p.stdout.strip()
+
+
+def test_zero2_ep2_export_loads_in_stock_transformers(ep_run, tmp_path):
+    out = export(ep_run, tmp_path / "hf", dtype="fp32", shard_size="300KB")
+    files = sorted(p.name for p in out.iterdir())
+    assert (
+        "model.safetensors.index.json" in files
+        and sum(f.endswith(".safetensors") for f in files) > 1
+    )
+    for f in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    ):
+        assert f in files, f
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "default" and "rope_theta" in cfg
+    idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in idx  # experts of both EP ranks
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in idx
+    assert (
+        "model.layers.3.eh_proj.weight" in idx and "model.layers.3.shared_head.head.weight" in idx
+    )  # MTP
+    ours = llmtrain.from_pretrained(ep_run)
+    assert (
+        ours.moe_layers()[0].gate.e_score_correction_bias.abs().sum() > 0
+    )  # trained bias survives
+    with torch.no_grad():
+        want = ours(IDS).logits
+    got, cls = hf_logits_fresh_process(out)
+    assert cls == "DeepseekV3ForCausalLM"
+    assert (got - want).abs().max() < 1e-4
+    card = (out / "README.md").read_text()
+    assert (
+        card.startswith("---\nlicense: apache-2.0")
+        and "tokens seen" in card
+        and "Multi-token" in card
+    )
+
+
+def test_verify_bf16_and_drop_mtp(ep_run, tmp_path):
+    from llmtrain.export.verify import verify
+
+    out = export(ep_run, tmp_path / "hf", dtype="bf16", mtp=False)
+    idx_keys = json.loads((out / "config.json").read_text())
+    assert idx_keys["torch_dtype"] == "bfloat16" and idx_keys["num_nextn_predict_layers"] == 0
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("model.layers.3.") for k in f.keys())
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.float32
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    v = verify(out, ep_run)
+    assert v["ok"], v
+    with pytest.raises(ExportError, match="exists"):
+        export(ep_run, out)
+
+
+@pytest.mark.slow
+def test_zero3_export(tmp_path, cache):
+    run = _train(tmp_path / "run", cache, 2, "parallel.zero_stage=3")
+    out = export(run, tmp_path / "hf", dtype="fp32")
+    with torch.no_grad():
+        want = llmtrain.from_pretrained(run)(IDS).logits
+    got, _ = hf_logits_fresh_process(out)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_hf_to_ours_to_hf_is_byte_identical(tmp_path):
+    from safetensors.torch import load_file
+
+    hf = make_hf_model(seed=4, n_group=2, topk_group=1, vocab_size=1024)
+    hf.save_pretrained(tmp_path / "orig")
+    ours = llmtrain.from_pretrained(tmp_path / "orig")
+    from llmtrain.config import Config
+
+    ck = save_consolidated(ours, Config(model=ours.cfg), tmp_path / "ck")
+    out = export(ck, tmp_path / "again", dtype="fp32")
+    a = load_file(str(tmp_path / "orig" / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_softmax_model_exports_as_deepseek_v2(tmp_path):
+    hf = make_hf_model(
+        v2=True,
+        seed=2,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        vocab_size=1024,
+    )
+    hf.save_pretrained(tmp_path / "orig")
+    ours = llmtrain.from_pretrained(tmp_path / "orig")
+    from llmtrain.config import Config
+
+    out = export(
+        save_consolidated(ours, Config(model=ours.cfg), tmp_path / "ck"),
+        tmp_path / "v2",
+        dtype="fp32",
+    )
+    got, cls = hf_logits_fresh_process(out)
+    assert cls == "DeepseekV2ForCausalLM"
+    with torch.no_grad():
+        assert (got - hf(IDS).logits).abs().max() < 1e-4
+
+
+def test_missing_or_corrupt_weights_are_named(ep_run, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    shutil.copytree(ep_run / "checkpoints" / "step_00000004", ck)
+    w = load_file(str(ck / "model.safetensors"))
+    del w["model.layers.2.mlp.experts.w_down"]
+    save_file(w, str(ck / "model.safetensors"))
+    with pytest.raises(ExportError, match="lacks 1 tensors"):
+        export(ck, tmp_path / "a")
+    (ck / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(Exception, match="model.safetensors"):
+        export(ck, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_text_generation_pipeline_on_export(ep_run, tmp_path):
+    from transformers import pipeline
+
+    out = export(ep_run, tmp_path / "hf", dtype="fp32")
+    gen = pipeline("text-generation", model=str(out), device="cpu")
+    text = gen("def ", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("def ") and len(text) > 4
+
+
+def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
+    """Continued pre-training: the first logged loss is the HF model's loss on that batch."""
+    from llmtrain.data.loader import PackedDataset, batches_for_step
+    from llmtrain.data.prepare import prepare_data
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml", [f"data.cache_dir={cache}"])
+    hf_cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                  n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.0, max_position_embeddings=512)  # fmt: skip
+    hf = make_hf_model(seed=6, **{**hf_cfg, "initializer_range": 0.05})
+    hf.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    run_train(run, 1, ["train.max_steps=1", "train.warmup_steps=1", f"data.cache_dir={cache}", "train.sample_tokens=0",
+                       f"train.init_from={tmp_path / 'hf'}", "model.aux_loss_alpha=0"])  # fmt: skip
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    ds = PackedDataset(prepare_data(cfg.data, 1024), "train", cfg.train.seq_len)
+    losses = []
+    for mb in batches_for_step(ds, 0, 8, 0, 1, 4, cfg.train.seed):
+        x, y = ds.batch(mb)
+        with torch.no_grad():
+            logits = hf(x).logits
+        losses.append(
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), y.reshape(-1)).item()
+        )
+    assert first == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def _push(args, env):
+    return subprocess.run([sys.executable, "-m", "llmtrain.cli", "export", *args], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)  # fmt: skip
+
+
+def test_push_to_local_hub_and_load_back(ep_run, tmp_path):
+    out = export(ep_run, tmp_path / "hf", dtype="fp32", shard_size="300KB")
+    before = {p.name: p.stat().st_mtime for p in out.iterdir()}
+    with FakeHub() as hub:
+        env = dict(os.environ, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1",
+                   HF_HOME=str(tmp_path / "hfhome"), HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+        # refused, no token, invalid name: clear messages, export untouched
+        hub.refuse_commits = True
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny"], env)
+        assert (
+            p.returncode == 2
+            and "refused" in p.stderr
+            and "--push-only" in p.stderr
+            and TOKEN not in p.stderr
+        )
+        no_tok = {k: v for k, v in env.items() if k != "HF_TOKEN"}
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny"], no_tok)
+        assert p.returncode == 2 and "no Hugging Face token" in p.stderr
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/bad name!"], env)
+        assert p.returncode == 2 and "invalid" in p.stderr
+        assert {q.name: q.stat().st_mtime for q in out.iterdir()} == before
+        # retry without re-exporting
+        hub.refuse_commits = False
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny"], env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert hub.seen_upload_modes == {"lfs", "regular"}  # LFS shards and inline small files
+        assert (
+            _push(
+                ["--push-only", str(out), "--push-to-hub", "org/priv", "--private"], env
+            ).returncode
+            == 0
+        )
+        assert hub.repos["org/priv"]["private"] and not hub.repos["org/tiny"]["private"]
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny", "--revision", "v1"], env)
+        assert p.returncode == 0 and "v1" in hub.repos["org/tiny"]["branches"]
+        got, _ = hf_logits_fresh_process(tmp_path / "dl" / "x", repo="org/tiny", env_extra={
+            "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf2")})  # fmt: skip
+    with torch.no_grad():
+        want = llmtrain.from_pretrained(ep_run)(IDS).logits
+    assert (got - want).abs().max() < 1e-4
