@@ -251,9 +251,12 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def state_dict_to_hf(
-    sd: dict[str, torch.Tensor], cfg: ModelConfig
+    sd: dict[str, torch.Tensor], cfg: ModelConfig, expert_offset: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ours to HF's on-disk names, one tensor at a time (experts split per expert)."""
+    """Ours to HF's on-disk names, one tensor at a time (experts split per expert).
+
+    `expert_offset`: global index of the first expert in the stacked tensors given (the export
+    streams a layer's experts one at a time)."""
     for name, t in sd.items():
         if name.startswith("mtp."):
             k = int(name.split(".")[1])
@@ -269,12 +272,12 @@ def state_dict_to_hf(
             base = name[: -len("w_gate_up")]
             f = t.shape[-1] // 2
             for e in range(t.shape[0]):
-                yield f"{base}{e}.gate_proj.weight", t[e, :, :f].t().contiguous()
-                yield f"{base}{e}.up_proj.weight", t[e, :, f:].t().contiguous()
+                yield f"{base}{e + expert_offset}.gate_proj.weight", t[e, :, :f].t().contiguous()
+                yield f"{base}{e + expert_offset}.up_proj.weight", t[e, :, f:].t().contiguous()
         elif name.endswith("mlp.experts.w_down"):
             base = name[: -len("w_down")]
             for e in range(t.shape[0]):
-                yield f"{base}{e}.down_proj.weight", t[e].t().contiguous()
+                yield f"{base}{e + expert_offset}.down_proj.weight", t[e].t().contiguous()
         elif cfg.scoring_func == "softmax" and name.endswith("e_score_correction_bias"):
             if torch.count_nonzero(t):
                 raise ValueError(f"{name} is non-zero but DeepseekV2 has no correction bias")

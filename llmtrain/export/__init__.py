@@ -23,6 +23,7 @@ from llmtrain.hf import hf_config_from_model, state_dict_to_hf
 logger = logging.getLogger(__name__)
 
 FP32_KEYS = ("mlp.gate.weight", "e_score_correction_bias")  # transformers keeps these in fp32
+EXPERT_SUFFIXES = ("mlp.experts.w_gate_up", "mlp.experts.w_down")
 
 
 class ExportError(RuntimeError):
@@ -111,23 +112,98 @@ class CheckpointSource:
                     f"checkpoint shard {self.dir / f} is corrupt or unreadable: {e}"
                 ) from e
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
+    def tensors(self, split_experts: bool = True) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """(name, tensor, expert offset); stacked experts come one expert at a time."""
         for f in sorted(set(self.wmap.values())):
-            try:
-                with safe_open(str(self.dir / f), "pt") as fh:
-                    for k in fh.keys():
-                        yield k, fh.get_tensor(k)
-            except Exception as e:
-                raise ExportError(f"checkpoint shard {self.dir / f} could not be read: {e}") from e
+            yield from read_tensors(self.dir / f, split_experts)
 
     def tokenizer_file(self) -> Path | None:
         f = self.dir / "tokenizer.json"
         return f if f.is_file() else None
 
 
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets)."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or n > 100_000_000:
+                raise ValueError(f"bad header length {n}")
+            header = json.loads(fh.read(n))
+    except Exception as e:
+        raise ExportError(f"checkpoint shard {path} is corrupt or unreadable: {e}") from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def read_tensors(
+    path: Path, split_experts: bool = False
+) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """Tensors of one safetensors file, each read into its own buffer and handed over.
+
+    safetensors' own reader memory-maps the file, and the pages it touches stay in the process's
+    resident set until the file is closed: a whole input shard per shard. Reading each tensor's
+    bytes with plain file reads keeps only the tensor in hand alive (the format is a JSON header
+    of dtypes, shapes and byte offsets followed by the raw data)."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            header.pop("__metadata__", None)
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                a, b = info["data_offsets"]
+                shape = info["shape"]
+                dtype = _ST_DTYPES[info["dtype"]]
+                # stacked experts [E, ...] are contiguous per expert: read them one expert at a time
+                rows = shape[0] if split_experts and name.endswith(EXPERT_SUFFIXES) else 1
+                step = (b - a) // rows
+                for r in range(rows):
+                    fh.seek(8 + n + a + r * step)
+                    buf = bytearray(fh.read(step))
+                    if len(buf) != step:
+                        raise ExportError(f"{path} is truncated (tensor {name})")
+                    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+                    yield name, t.reshape([1, *shape[1:]] if rows > 1 else shape), r
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"checkpoint shard {path} could not be read: {e}") from e
+
+
 # ---------------------------------------------------------------- writing
+
+
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file tensor by tensor from the tensors' own memory.
+
+    `safetensors.torch.save_file` first serialises the whole file into one buffer, doubling the
+    memory of a shard; the export's memory bound needs the stream. Same layout: 8-byte header
+    length, JSON header (padded with spaces to 8 bytes), then the raw little-endian data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {
+            "dtype": _ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + n],
+        }
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(hb).to_bytes(8, "little"))
+        fh.write(hb)
+        for t in tensors.values():
+            if t.numel():
+                fh.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
 
 
 class ShardWriter:
@@ -150,12 +226,10 @@ class ShardWriter:
         self.total += n
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.buf:
             return
         name = f"part-{len(self.files):05d}.safetensors"
-        save_file(self.buf, str(self.out / name), metadata={"format": "pt"})
+        write_safetensors(self.out / name, self.buf)
         self.files.append((name, list(self.buf)))
         self.largest = max(self.largest, self.size)
         self.buf, self.size = {}, 0
@@ -190,14 +264,14 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Our tensors, one at a time, renamed/split to the HF layout and cast."""
     embed = head = None
-    for name, t in src:
+    for name, t, offset in src:
         if name.startswith("mtp.") and not mtp:
             continue
         if name == "model.embed_tokens.weight" and mc.mtp_depth and mtp:
             embed = t
         if name == "lm_head.weight" and mc.mtp_depth and mtp:
             head = t
-        for hname, ht in state_dict_to_hf({name: t}, mc):
+        for hname, ht in state_dict_to_hf({name: t}, mc, expert_offset=offset):
             keep32 = hname.endswith(FP32_KEYS)
             yield hname, ht.to(torch.float32 if keep32 else dtype)
     if mtp and mc.mtp_depth:
@@ -234,6 +308,18 @@ def write_tokenizer(tok_file: Path | None, out: Path) -> dict:
     }
 
 
+def _return_freed_buffers_to_os() -> None:
+    """glibc raises its mmap threshold after large frees (up to 32 MB), so later tensor-sized
+    buffers come from the heap and freed ones stay resident: RSS creeps up shard after shard.
+    A fixed 64 KiB threshold hands every tensor buffer back to the OS when it is freed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def export(
     checkpoint: str | Path,
     out: str | Path,
@@ -247,6 +333,7 @@ def export(
     """Write a transformers-loadable directory; written under a temporary name, then renamed."""
     from llmtrain.export.card import model_card
 
+    _return_freed_buffers_to_os()
     src = CheckpointSource(checkpoint)
     mc = src.config.model
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
