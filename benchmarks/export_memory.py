@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--in-shard", default="100MB")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "export_memory.json"))
     args = ap.parse_args()
-    import torch
 
     from llmtrain.config import load_config
     from llmtrain.export import parse_size
