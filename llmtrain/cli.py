@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -110,6 +111,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = export(args.checkpoint, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
                      overwrite=args.overwrite, law=args.law, license=args.license)  # fmt: skip
         print(f"exported to {out}")
+        if args.verify is None:  # default: verify when both models fit in memory comfortably
+            from llmtrain.accounting import count
+            from llmtrain.config import load_config as _load
+            from llmtrain.export import resolve_checkpoint
+
+            n = count(_load(resolve_checkpoint(args.checkpoint) / "config.yaml").model).total_params
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            args.verify = 3 * 4 * n < ram  # ours + transformers' copy in fp32, with headroom
+            if not args.verify:
+                print(
+                    f"skipping verification: {n / 1e9:.1f}B parameters do not fit twice in memory (--verify forces it)"
+                )
         if args.verify:
             from llmtrain.export.verify import verify
 
@@ -243,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compare with stock transformers after writing (default on)",
+        default=None,
+        help="compare with stock transformers after writing (default: on when it fits in memory)",
     )
     e.add_argument("--push-to-hub", metavar="ORG/NAME")
     e.add_argument("--private", action="store_true")
