@@ -216,6 +216,20 @@ def _powerlaw(x, y):
     return float(p), float(math.exp(logk))
 
 
+def _frontier_bootstrap(fits: list[tuple], seed: int) -> dict:
+    """Intervals of the N_opt and D_opt exponents over resampled frontiers (C, N_opt, D_opt)."""
+    if not fits:
+        raise ScalingError(
+            "no bootstrap resample could be fitted; the data are too few or too flat"
+        )
+    laws_n = [_powerlaw(c, n) for c, n, _ in fits]
+    sa = [p for p, _ in laws_n]
+    sb = [_powerlaw(c, d)[0] for c, _, d in fits]
+    return {"resamples": len(fits), "seed": seed,
+            "ci95": {"a_exp": np.percentile(sa, [2.5, 97.5]).tolist(), "b_exp": np.percentile(sb, [2.5, 97.5]).tolist()},
+            "n_curves": laws_n}  # fmt: skip
+
+
 def _isoflop_minima(r: Runs, labels, k: float):
     out = []
     for g in np.unique(labels):
@@ -260,7 +274,7 @@ def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) ->
     }
     if bootstrap:
         rng = np.random.default_rng(seed)
-        sa, sb, curves = [], [], []
+        fits = []
         for _ in range(bootstrap):
             idx = np.concatenate(
                 [
@@ -272,15 +286,8 @@ def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) ->
                 mm = _isoflop_minima(r.subset(idx), labels[idx], k)
             except ScalingError:
                 continue  # a resample without curvature says nothing about the optimum
-            cs = np.array([m["C"] for m in mm])
-            pa, pk = _powerlaw(cs, [m["n_opt"] for m in mm])
-            sa.append(pa)
-            sb.append(_powerlaw(cs, [m["d_opt"] for m in mm])[0])
-            curves.append((pa, pk))
-        out["bootstrap"] = {"resamples": len(sa), "seed": seed,
-                            "ci95": {"a_exp": np.percentile(sa, [2.5, 97.5]).tolist(),
-                                     "b_exp": np.percentile(sb, [2.5, 97.5]).tolist()},
-                            "n_curves": curves}  # fmt: skip
+            fits.append(tuple(np.array([m[key] for m in mm]) for key in ("C", "n_opt", "d_opt")))
+        out["bootstrap"] = _frontier_bootstrap(fits, seed)
     return out
 
 
@@ -321,17 +328,10 @@ def fit_approach1(
            "a_exp": a, "n_coef": ka, "b_exp": b, "d_coef": kb}  # fmt: skip
     if bootstrap:
         rng = np.random.default_rng(seed)
-        sa, sb, curves = [], [], []
+        fits = []
         for _ in range(bootstrap):
             e = envelope(pts.subset(rng.integers(0, len(pts), len(pts))))
-            if len(e) < 3:
-                continue
-            pa, pk = _powerlaw(e.C, e.N)
-            sa.append(pa)
-            sb.append(_powerlaw(e.C, e.D)[0])
-            curves.append((pa, pk))
-        out["bootstrap"] = {"resamples": len(sa), "seed": seed,
-                            "ci95": {"a_exp": np.percentile(sa, [2.5, 97.5]).tolist(),
-                                     "b_exp": np.percentile(sb, [2.5, 97.5]).tolist()},
-                            "n_curves": curves}  # fmt: skip
+            if len(e) >= 3:
+                fits.append((e.C, e.N, e.D))
+        out["bootstrap"] = _frontier_bootstrap(fits, seed)
     return out
