@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sizes", type=int, default=4)
     sp.add_argument("--spread", type=float, default=8.0, help="largest / smallest size per budget")
     sp.add_argument("--hyper", action="store_true", help="batch and LR from DeepSeek's power laws")
+    sp.add_argument(
+        "--center-factor", type=float, default=1.0, help="centre sizes on this x the law's N_opt"
+    )
     sr = sw.add_parser("run")
     sr.add_argument("sweep")
     sr.add_argument(

@@ -192,6 +192,7 @@ def sweep(args) -> int:
             args.sizes,
             args.spread,
             args.hyper,
+            args.center_factor,
         )
         for r in m["runs"]:
             print(

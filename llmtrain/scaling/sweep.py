@@ -21,8 +21,9 @@ MANIFEST = "manifest.json"
 
 
 def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4, spread: float = 8.0,
-         hyper: bool = False) -> dict:  # fmt: skip
-    """Per budget, `sizes` models log-spaced over a factor `spread` around the law's N_opt."""
+         hyper: bool = False, center_factor: float = 1.0) -> dict:  # fmt: skip
+    """Per budget, `sizes` models log-spaced over a factor `spread` around the law's N_opt
+    (times `center_factor`, for families whose optimum is known to sit off the law's)."""
     if len(budgets) < 1 or any(b <= 0 for b in budgets):
         raise ScalingError("give one or more positive FLOP budgets")
     if sizes < 3:
@@ -31,7 +32,7 @@ def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4,
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for c in sorted(budgets):
-        center = law.allocate(c)["n_opt"]
+        center = law.allocate(c)["n_opt"] * center_factor
         targets = center * spread ** np.linspace(-0.5, 0.5, sizes)
         seen = set()
         for n in targets:
