@@ -216,6 +216,9 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
     run_train(run, 1, ["train.max_steps=1", "train.warmup_steps=1", f"data.cache_dir={cache}", "train.sample_tokens=0",
                        f"train.init_from={tmp_path / 'hf'}", "model.aux_loss_alpha=0"])  # fmt: skip
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    bad = run_train(tmp_path / "bad", 1, [f"data.cache_dir={cache}", f"train.init_from={tmp_path / 'hf'}",
+                                          "model.n_group=2", "model.topk_group=1"], check=False)  # fmt: skip
+    assert bad.returncode == 2 and "model.n_group=2 (checkpoint: 4)" in bad.stderr
     ds = PackedDataset(prepare_data(cfg.data, 1024), "train", cfg.train.seq_len)
     losses = []
     for mb in batches_for_step(ds, 0, 8, 0, 1, 4, cfg.train.seed):

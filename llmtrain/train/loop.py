@@ -5,6 +5,7 @@ Shape legend: B micro-batch, T sequence length, L MoE layers, E routed experts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -64,6 +65,20 @@ def _check_resumed_config(saved_yaml: str, cfg: Config) -> None:
             f"the checkpoint was written for another model config (differs in model.{', model.'.join(diff)}); "
             "resume with the same model config or start a new run directory"
         )
+
+
+# what a run may change when it continues from published weights: training terms, not shapes or routing
+_TRAINING_ONLY = {"bias_update_speed", "aux_loss_alpha", "router_z_loss_coef", "mtp_depth", "mtp_loss_weight",
+                  "init_std", "attn_backend", "moe_impl", "max_position_embeddings"}  # fmt: skip
+
+
+def _check_init_from(hf_model, ours, path) -> None:
+    a, b = dataclasses.asdict(hf_model), dataclasses.asdict(ours)
+    diff = [k for k in a if k not in _TRAINING_ONLY and a[k] != b[k]]
+    if diff:
+        detail = ", ".join(f"model.{k}={b[k]!r} (checkpoint: {a[k]!r})" for k in diff[:6])
+        raise TrainingError(f"train.init_from={path} does not match the model config: {detail}; "
+                            "make model.* match the checkpoint's config.json")  # fmt: skip
 
 
 def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bool = False) -> dict:
@@ -127,6 +142,7 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
         from llmtrain.hf import model_config_from_hf, read_safetensors_dir, state_dict_from_hf
 
         hf_cfg = model_config_from_hf(json.loads((Path(t.init_from) / "config.json").read_text()))
+        _check_init_from(hf_cfg, cfg.model, t.init_from)
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
         sd = state_dict_from_hf(read_safetensors_dir(Path(t.init_from)), hf_cfg)
         ckpt.load_weights_into(model, sd)
