@@ -95,6 +95,11 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         ax.text(0.5, 0.5, "no approach-3 fit", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("compute C (FLOPs)")
     ax.set_ylabel("log L − log L̂")
+    from matplotlib.ticker import NullFormatter
+
+    for a in axes:  # decade labels only: minor labels on log axes overlap
+        a.xaxis.set_minor_formatter(NullFormatter())
+        a.yaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
