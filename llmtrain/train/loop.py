@@ -188,7 +188,9 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             x, y = train_ds.batch(mb)
             x, y = x.to(device), y.to(device)
             mask = document_mask(x, eos) if cfg.data.doc_mask else None
-            out = engine(x, labels=y, attention_mask=mask)
+            out = engine(
+                x, labels=y, attention_mask=mask, check_inputs=False
+            )  # ids checked once: tokenizer fits
             loss = out.loss * float("nan") if step in faults else out.loss
             # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
             # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
