@@ -49,7 +49,7 @@ def main() -> None:
     from llmtrain.config import load_config
     from llmtrain.export import parse_size
     from llmtrain.model import build_model
-    from llmtrain.train import checkpoint as ck
+    from llmtrain.tensor_io import write_sharded
 
     cfg = load_config(ROOT / "configs" / "bench_28m.yaml", [
         "model.hidden_size=512", "model.num_layers=8", "model.n_routed_experts=32", "model.moe_intermediate_size=512",
@@ -60,7 +60,7 @@ def main() -> None:
                if not k.endswith(("last_counts", "load_since_update", "inv_freq"))}  # fmt: skip
     ckdir = tmp / "ck"
     ckdir.mkdir()
-    in_files = ck.write_sharded(tensors, ckdir, "model", parse_size(args.in_shard))
+    in_files = write_sharded(tensors, ckdir, "model", parse_size(args.in_shard))
 
     (ckdir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.to_dict()))
     (ckdir / "state.json").write_text(json.dumps({"step": 0}))

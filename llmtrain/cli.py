@@ -306,11 +306,12 @@ def _user_errors() -> tuple[type, ...]:
     from llmtrain.export.hub import HubError
     from llmtrain.parallel.hostfile import HostfileError
     from llmtrain.scaling.laws import ScalingError
+    from llmtrain.tensor_io import TensorFileError
     from llmtrain.train.checkpoint import CheckpointError
     from llmtrain.train.loop import TrainingError
 
     return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,
-            ScalingError, HostfileError, ExportError, HubError)  # fmt: skip
+            ScalingError, HostfileError, ExportError, HubError, TensorFileError)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -354,18 +354,15 @@ def from_pretrained(
 
 def _from_our_checkpoint(path: Path, device, dtype):
     """One of our run directories or checkpoints, whatever layout wrote it (they are consolidated)."""
-    from safetensors.torch import load_file
-
     from llmtrain.config import load_config
     from llmtrain.export import resolve_checkpoint
     from llmtrain.model import build_model
-    from llmtrain.train.checkpoint import load_weights_into, weight_files
+    from llmtrain.tensor_io import load_all
+    from llmtrain.train.checkpoint import load_weights_into
 
     ck = resolve_checkpoint(path)
     cfg = load_config(ck / "config.yaml")
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(set(weight_files(ck).values())):
-        weights.update(load_file(str(ck / f)))
+    weights = load_all(ck, "model")
     model = build_model(cfg.model, device=device)
     load_weights_into(model, weights)
     if dtype != torch.float32:

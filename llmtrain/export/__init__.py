@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -19,11 +18,11 @@ import torch
 
 from llmtrain.config import ModelConfig, load_config
 from llmtrain.hf import hf_config_from_model, state_dict_to_hf
+from llmtrain.tensor_io import ShardWriter, TensorFileError, read_header, read_tensors, tensor_files
 
 logger = logging.getLogger(__name__)
 
 FP32_KEYS = ("mlp.gate.weight", "e_score_correction_bias")  # transformers keeps these in fp32
-EXPERT_SUFFIXES = ("mlp.experts.w_gate_up", "mlp.experts.w_down")
 
 
 class ExportError(RuntimeError):
@@ -66,15 +65,16 @@ class CheckpointSource:
     """Tensors of one of our checkpoints, read one at a time (safetensors, memory-mapped)."""
 
     def __init__(self, path: str | Path):
-        from llmtrain.train.checkpoint import weight_files
-
         self.dir = resolve_checkpoint(path)
         cfg_file = self.dir / "config.yaml"
         if not cfg_file.is_file():
             raise ExportError(f"checkpoint {self.dir} lacks config.yaml")
         self.config = load_config(cfg_file)
         self.state = json.loads((self.dir / "state.json").read_text())
-        self.wmap = weight_files(self.dir)
+        try:
+            self.wmap = tensor_files(self.dir)
+        except TensorFileError as e:
+            raise ExportError(f"checkpoint {self.dir}: {e}") from e
         self._check_complete(self.config.model)
 
     def _check_complete(self, mc: ModelConfig) -> None:
@@ -95,168 +95,35 @@ class CheckpointSource:
             raise ExportError(
                 f"checkpoint {self.dir} lacks {len(missing)} tensors, e.g. {missing[:4]}; it is incomplete"
             )
-        from safetensors import safe_open
-
         for f in sorted(set(self.wmap.values())):
+            path = self.dir / f
             try:
-                with safe_open(str(self.dir / f), "pt") as fh:
-                    for k in fh.keys():
-                        if k in expected and tuple(fh.get_slice(k).get_shape()) != expected[k]:
-                            raise ExportError(
-                                f"{f}: {k} has shape {fh.get_slice(k).get_shape()}, config says {expected[k]}"
-                            )
-            except ExportError:
-                raise
-            except Exception as e:
-                raise ExportError(
-                    f"checkpoint shard {self.dir / f} is corrupt or unreadable: {e}"
-                ) from e
+                header = read_header(path)
+            except TensorFileError as e:
+                raise ExportError(f"checkpoint shard {e}") from e
+            end = max((v["data_offsets"][1] for v in header.values()), default=0)
+            if path.stat().st_size < end:
+                raise ExportError(f"checkpoint shard {path} is truncated")
+            for k, info in header.items():
+                if k in expected and tuple(info["shape"]) != expected[k]:
+                    raise ExportError(
+                        f"{f}: {k} has shape {info['shape']}, config says {expected[k]}"
+                    )
 
     def tensors(self, split_experts: bool = True) -> Iterator[tuple[str, torch.Tensor, int]]:
         """(name, tensor, expert offset); stacked experts come one expert at a time."""
         for f in sorted(set(self.wmap.values())):
-            yield from read_tensors(self.dir / f, split_experts)
+            try:
+                yield from read_tensors(self.dir / f, split_experts)
+            except TensorFileError as e:
+                raise ExportError(f"checkpoint shard {e}") from e
 
     def tokenizer_file(self) -> Path | None:
         f = self.dir / "tokenizer.json"
         return f if f.is_file() else None
 
 
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
-
-
-def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets)."""
-    try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n <= 0 or n > 100_000_000:
-                raise ValueError(f"bad header length {n}")
-            header = json.loads(fh.read(n))
-    except Exception as e:
-        raise ExportError(f"checkpoint shard {path} is corrupt or unreadable: {e}") from e
-    header.pop("__metadata__", None)
-    return header
-
-
-def read_tensors(
-    path: Path, split_experts: bool = False
-) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """Tensors of one safetensors file, each read into its own buffer and handed over.
-
-    safetensors' own reader memory-maps the file, and the pages it touches stay in the process's
-    resident set until the file is closed: a whole input shard per shard. Reading each tensor's
-    bytes with plain file reads keeps only the tensor in hand alive (the format is a JSON header
-    of dtypes, shapes and byte offsets followed by the raw data)."""
-    try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-            header.pop("__metadata__", None)
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                a, b = info["data_offsets"]
-                shape = info["shape"]
-                dtype = _ST_DTYPES[info["dtype"]]
-                # stacked experts [E, ...] are contiguous per expert: read them one expert at a time
-                rows = shape[0] if split_experts and name.endswith(EXPERT_SUFFIXES) else 1
-                step = (b - a) // rows
-                for r in range(rows):
-                    fh.seek(8 + n + a + r * step)
-                    buf = bytearray(fh.read(step))
-                    if len(buf) != step:
-                        raise ExportError(f"{path} is truncated (tensor {name})")
-                    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-                    yield name, t.reshape([1, *shape[1:]] if rows > 1 else shape), r
-    except ExportError:
-        raise
-    except Exception as e:
-        raise ExportError(f"checkpoint shard {path} could not be read: {e}") from e
-
-
 # ---------------------------------------------------------------- writing
-
-
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a safetensors file tensor by tensor from the tensors' own memory.
-
-    `safetensors.torch.save_file` first serialises the whole file into one buffer, doubling the
-    memory of a shard; the export's memory bound needs the stream. Same layout: 8-byte header
-    length, JSON header (padded with spaces to 8 bytes), then the raw little-endian data."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[k] = {
-            "dtype": _ST_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [off, off + n],
-        }
-        off += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(hb).to_bytes(8, "little"))
-        fh.write(hb)
-        for t in tensors.values():
-            if t.numel():
-                fh.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
-
-
-class ShardWriter:
-    """Accumulates tensors and writes a safetensors shard whenever the next would overflow."""
-
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max = out, max_bytes
-        self.buf: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.files: list[tuple[str, list[str]]] = []
-        self.total = 0
-        self.largest = 0
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
-        if self.buf and self.size + n > self.max:
-            self.flush()
-        self.buf[name] = t.contiguous()
-        self.size += n
-        self.total += n
-
-    def flush(self) -> None:
-        if not self.buf:
-            return
-        name = f"part-{len(self.files):05d}.safetensors"
-        write_safetensors(self.out / name, self.buf)
-        self.files.append((name, list(self.buf)))
-        self.largest = max(self.largest, self.size)
-        self.buf, self.size = {}, 0
-
-    def finish(self) -> list[str]:
-        """Rename to HF's names and write the index when there is more than one shard."""
-        self.flush()
-        n = len(self.files)
-        if n == 1:
-            os.replace(self.out / self.files[0][0], self.out / "model.safetensors")
-            return ["model.safetensors"]
-        weight_map, names = {}, []
-        for i, (tmp, keys) in enumerate(self.files, start=1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(self.out / tmp, self.out / final)
-            names.append(final)
-            weight_map.update({k: final for k in keys})
-        (self.out / "model.safetensors.index.json").write_text(
-            json.dumps(
-                {
-                    "metadata": {"total_size": self.total},
-                    "weight_map": dict(sorted(weight_map.items())),
-                },
-                indent=2,
-            )
-        )
-        return names
 
 
 def hf_tensors(
@@ -386,7 +253,8 @@ def save_consolidated(model, cfg, out: str | Path, tokenizer_file: Path | None =
     without optimizer state): e.g. weights imported with `llmtrain.from_pretrained`."""
     import yaml
 
-    from llmtrain.train.checkpoint import SHARD_BYTES, write_sharded
+    from llmtrain.tensor_io import write_sharded
+    from llmtrain.train.checkpoint import SHARD_BYTES
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

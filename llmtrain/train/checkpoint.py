@@ -25,63 +25,10 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.parallel.engine import is_expert_param
+from llmtrain.tensor_io import ShardWriter, TensorFileError, load_all
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SHARD_BYTES = 2 * 2**30  # model weights are written in files of at most this size
-
-
-def write_sharded(
-    tensors: dict[str, torch.Tensor], out: Path, stem: str, max_bytes: int
-) -> list[str]:
-    """safetensors files of <= max_bytes each, plus `{stem}.safetensors.index.json` when > 1."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v.contiguous()
-        size += n
-    if len(shards) == 1:
-        save_file(shards[0], str(out / f"{stem}.safetensors"), metadata={"format": "pt"})
-        return [f"{stem}.safetensors"]
-    names, weight_map = [], {}
-    for i, sh in enumerate(shards, start=1):
-        name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sh, str(out / name), metadata={"format": "pt"})
-        names.append(name)
-        weight_map.update({k: name for k in sh})
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    (out / f"{stem}.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    )
-    return names
-
-
-def weight_files(ckpt: Path) -> dict[str, str]:
-    """tensor name -> file, for a sharded or single-file checkpoint; missing files are errors."""
-    from safetensors import safe_open
-
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = json.loads(index.read_text())["weight_map"]
-        for f in sorted(set(wmap.values())):
-            if not (ckpt / f).is_file():
-                raise CheckpointError(
-                    f"checkpoint {ckpt} is missing the shard {f} named in its index"
-                )
-        return wmap
-    single = ckpt / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} has no model.safetensors (nor an index)")
-    try:
-        with safe_open(str(single), "pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{single} is unreadable: {e}") from e
 
 
 class CheckpointError(RuntimeError):
@@ -96,25 +43,28 @@ def _ep_gather(t: torch.Tensor, group, ep_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def gather_full_state(engine, model) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Collective: every rank calls it; returns full tensors (meaningful on every rank)."""
+def _full_tensors(engine, model):
+    """Collective, one tensor at a time: (name, full fp32 tensor) for weights, router biases,
+    then (name::moment, tensor) for both Adam moments; experts gathered over the EP group."""
     ep = engine.layout.ep_size
     group = model.moe_layers()[0].dispatcher.group if ep > 1 else None
-    weights: dict[str, torch.Tensor] = {}
-    moments: dict[str, torch.Tensor] = {}
     engine.relink_optimizer_state()
-    for name, p in model.named_parameters():
-        expert = is_expert_param(name)
+    params = list(model.named_parameters())
+    for name, p in params:
         w = engine.full_param(p)
-        weights[name] = _ep_gather(w, group, ep) if expert else w
-        for key in MOMENTS:
-            m = engine.full_moment(p, key)
-            moments[f"{name}::{key}"] = _ep_gather(m, group, ep) if expert else m
+        yield "model", name, _ep_gather(w, group, ep) if is_expert_param(name) else w
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
-            weights[name] = b.detach().float().cpu()
-    moments["__rng__::torch_cpu"] = torch.get_rng_state()
-    return weights, moments
+            yield "model", name, b.detach().float().cpu()
+    for name, p in params:
+        for key in MOMENTS:
+            m = engine.full_moment(p, key)
+            yield (
+                "optimizer",
+                f"{name}::{key}",
+                _ep_gather(m, group, ep) if is_expert_param(name) else m,
+            )
+    yield "optimizer", "__rng__::torch_cpu", torch.get_rng_state()
 
 
 def save_checkpoint(
@@ -128,19 +78,22 @@ def save_checkpoint(
     keep_last: int,
     rank: int,
 ) -> Path | None:
-    from safetensors.torch import save_file
-
-    weights, moments = gather_full_state(engine, model)
+    """All ranks call it. Tensors are gathered one at a time and rank 0 streams them into
+    shards, so no rank ever holds more than one full tensor plus rank 0's current shard."""
     ckdir = run_dir / "checkpoints"
     final = ckdir / f"step_{step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    writers = {}
     if rank == 0:
-        tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_sharded(weights, tmp, "model", SHARD_BYTES)
-        save_file(
-            {k: v.contiguous() for k, v in moments.items()}, str(tmp / "optimizer.safetensors")
-        )
+        writers = {stem: ShardWriter(tmp, SHARD_BYTES, stem) for stem in ("model", "optimizer")}
+    for stem, name, t in _full_tensors(engine, model):
+        if rank == 0:
+            writers[stem].add(name, t)
+    if rank == 0:
+        for w in writers.values():
+            w.finish()
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
         if tokenizer_file is not None and tokenizer_file.is_file():
@@ -172,19 +125,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    from safetensors.torch import load_file
 
-    for f in ("optimizer.safetensors", "state.json"):
-        if not (ckpt / f).is_file():
-            raise CheckpointError(f"checkpoint {ckpt} lacks {f}")
-    wmap = weight_files(ckpt)
+    if not (ckpt / "state.json").is_file():
+        raise CheckpointError(f"checkpoint {ckpt} lacks state.json")
     try:
-        weights = {}
-        for f in sorted(set(wmap.values())):
-            weights.update(load_file(str(ckpt / f)))
-        moments = load_file(str(ckpt / "optimizer.safetensors"))
-    except Exception as e:  # safetensors raises its own error types on corrupt files
-        raise CheckpointError(f"checkpoint {ckpt} is unreadable: {e}") from e
+        weights = load_all(ckpt, "model")
+        moments = load_all(ckpt, "optimizer")
+    except TensorFileError as e:
+        raise CheckpointError(f"checkpoint {ckpt} is unusable: {e}") from e
     return weights, moments, json.loads((ckpt / "state.json").read_text())
 
 
