@@ -291,22 +291,15 @@ def state_dict_to_hf(
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """All tensors of a HF model directory: `model.safetensors[.index.json]`, else any *.safetensors."""
+    from llmtrain.tensor_io import load_all, read_tensors
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file():
+        return load_all(path, "model")
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        fp = path / f
-        if not fp.is_file():
-            raise FileNotFoundError(f"{fp} is listed in the index but missing")
-        sd.update(load_file(str(fp)))
-    return sd
+    return {name: t for f in files for name, t, _ in read_tensors(f)}
 
 
 def from_pretrained(
