@@ -4,12 +4,16 @@ Shape legend: M routed rows on this rank, R rows received, D hidden, E experts,
 El = E / ep experts per rank, P = ep ranks of the expert-parallel group.
 
 Dropless: uneven splits are exchanged with all_to_all_single; nothing is padded or dropped.
+The split sizes must be known on the host, so each call syncs the host exactly once: one
+all-to-all of per-expert counts (on the device), then one copy of the send and receive sizes
+together. Everything else (regrouping by expert, expert offsets) stays on the device.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from llmtrain.parallel import comm
 
 
 class _AllToAll(torch.autograd.Function):
@@ -18,16 +22,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x_MD.new_empty((sum(out_splits), x_MD.shape[1]))
-        dist.all_to_all_single(out, x_MD.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return comm.all_to_all_single(x_MD, out_splits, in_splits, group=group)
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        gx = g.new_empty((sum(in_splits), g.shape[1]))
-        dist.all_to_all_single(gx, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return gx, None, None, None
+        return comm.all_to_all_single(g, in_splits, out_splits, group=ctx.group), None, None, None
 
 
 class ExpertParallelDispatcher:
@@ -36,21 +36,28 @@ class ExpertParallelDispatcher:
     def __init__(self, group, ep_size: int, ep_rank: int):
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
 
+    def exchange_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """recv_PEl[s, e]: rows rank s sends for my local expert e (on the device); and the
+        rows sent to / received from each rank, on the host (the one host sync)."""
+        p = self.ep_size
+        el = counts_E.numel() // p
+        # rank r gets my counts for its experts: an even all-to-all of P·El integers
+        recv_PEl = comm.all_to_all_single(counts_E, [el] * p, [el] * p, self.group).view(p, el)
+        sizes = torch.cat([counts_E.view(p, el).sum(1), recv_PEl.sum(1)]).tolist()
+        return recv_PEl, sizes[:p], sizes[p:]
+
     def __call__(self, x_MD: torch.Tensor, counts_E: torch.Tensor, experts) -> torch.Tensor:
         p = self.ep_size
         el = counts_E.numel() // p
-        gathered = [torch.empty_like(counts_E) for _ in range(p)]
-        dist.all_gather(gathered, counts_E, group=self.group)
-        # recv_PEl[s, e]: rows rank s sends for my local expert e
-        recv_PEl = torch.stack(gathered)[:, self.ep_rank * el : (self.ep_rank + 1) * el]
-        send = counts_E.view(p, el).sum(1).tolist()
-        recv = recv_PEl.sum(1).tolist()
+        recv_PEl, send, recv = self.exchange_counts(counts_E)
         x_RD = _AllToAll.apply(x_MD, recv, send, self.group)
         # received rows are grouped by source rank, then expert: regroup by expert
         local_R = torch.repeat_interleave(
-            torch.arange(el, device=x_MD.device).repeat(p), recv_PEl.reshape(-1).to(x_MD.device)
+            torch.arange(el, device=x_MD.device).repeat(p),
+            recv_PEl.reshape(-1),
+            output_size=sum(recv),  # known on the host: no hidden sync
         )
         order_R = torch.argsort(local_R, stable=True)
-        y_RD = experts(x_RD[order_R], recv_PEl.sum(0).to(x_MD.device))
+        y_RD = experts(x_RD[order_R], recv_PEl.sum(0))
         y_back = torch.empty_like(y_RD).index_copy(0, order_R, y_RD)
         return _AllToAll.apply(y_back, send, recv, self.group)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmtrain.parallel import comm
 from llmtrain.parallel.engine import is_expert_param
 from llmtrain.tensor_io import ShardWriter, TensorFileError, load_all
 
@@ -38,9 +39,7 @@ class CheckpointError(RuntimeError):
 def _ep_gather(t: torch.Tensor, group, ep_size: int) -> torch.Tensor:
     if ep_size == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(ep_size)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    return torch.cat(comm.all_gather(t, group=group), dim=0)
 
 
 def _full_tensors(engine, model):
@@ -110,7 +109,7 @@ def save_checkpoint(
         for old in done[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
     return final
 
 

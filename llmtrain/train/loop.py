@@ -25,6 +25,7 @@ from llmtrain.data.corpus import DataError
 from llmtrain.data.loader import PackedDataset, batches_for_step, document_mask
 from llmtrain.data.prepare import prepare_data
 from llmtrain.model import build_model, generate
+from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import checkpoint as ckpt
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
@@ -95,7 +96,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     device = device_for(local_rank)
     try:
         _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite, rank)
-        dist.barrier()
+        comm.barrier()
         return _train(
             cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher
         )
@@ -110,7 +111,7 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
         logger.info("layout: %s", layout.describe())
     # ---------------------------------------------------------------- data
     data_dir = prepare_data(cfg.data, cfg.model.vocab_size, local_rank=local_rank)
-    dist.barrier()
+    comm.barrier()
     train_ds = PackedDataset(data_dir, "train", t.seq_len)
     val_ds = PackedDataset(data_dir, "val", t.seq_len)
     if train_ds.vocab_size > cfg.model.vocab_size:
@@ -201,13 +202,13 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             )
             aux_sum += out.aux_loss.detach().double().cpu()
         stats = torch.stack([lm_sum, aux_sum]).to(device)
-        dist.all_reduce(stats)
+        comm.all_reduce(stats)
         gnorm = engine.grad_norm()
         bad = not (math.isfinite(float(stats[0])) and math.isfinite(gnorm))
         # aux-loss-free balancing on the global expert load: every rank applies the same update
         loads = model.expert_loads().to(device).float()
         if loads.numel():
-            dist.all_reduce(loads)
+            comm.all_reduce(loads)
             step_loads = loads.clone()
             if bad:
                 loads.zero_()  # a skipped step moves no bias
@@ -307,7 +308,7 @@ def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) 
             total += torch.tensor(
                 [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
             )
-    dist.all_reduce(total)
+    comm.all_reduce(total)
     engine.train(True)
     return float(total[0] / total[1])
 
