@@ -299,13 +299,6 @@ class Config:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; shorten the sequences or raise the limit"
             )
-        if self.parallel.zero_stage == 3 and self.parallel.ep_size > 1:
-            raise ConfigError(
-                "parallel.zero_stage=3 with parallel.ep_size>1 is not supported: DeepSpeed's engine "
-                "refuses expert-parallel MoE modules under ZeRO-3 (only its AutoEP layers pass, and "
-                "those lack the aux-loss-free bias). Use zero_stage=2 with expert parallelism, or "
-                "zero_stage=3 with ep_size=1 (experts then partitioned like every other weight)"
-            )
         if self.parallel.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend={self.parallel.backend!r}: use auto, nccl or gloo")
         if self.model.n_routed_experts % self.parallel.ep_size:

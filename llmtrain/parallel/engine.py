@@ -2,10 +2,19 @@
 `deepspeed.initialize`, backward/step, and full (consolidated) views of weights and Adam moments.
 
 Expert parallelism rides on DeepSpeed's own machinery: expert parameters are tagged
-(`allreduce=False`, `group_name`), the optimizer gets DeepSpeed's MoE parameter groups, and
-each MoE layer carries a marker that is an instance of `deepspeed.moe.layer.MoE`, which is
-what makes the engine create and use expert / expert-data-parallel groups for them (ZeRO
-then partitions expert optimizer state over the expert-data-parallel ranks).
+(`allreduce=False`, `group_name`) and the optimizer gets DeepSpeed's MoE parameter groups.
+Under ZeRO-1/2 each MoE layer carries a marker that is an instance of `deepspeed.moe.layer.MoE`,
+which is what makes the engine use the expert / expert-data-parallel groups for them (ZeRO then
+partitions expert optimizer state over the expert-data-parallel ranks). Under ZeRO-3 the engine
+refuses that class (deepspeed/runtime/engine.py:2197-2218, `_validate_zero3_moe_compatibility`),
+so there is no marker: expert parameters carry the per-parameter placement DeepSpeed's AutoEP
+sets (`ds_zero_placement_family="autoep_expert"`, `ds_zero_partition_group_name`) plus the
+resolved partition group (what `_resolve_zero3_param_placement` would set, engine.py:2242-2279;
+without a MoE layer the engine skips it, engine.py:2713). ZeRO-3 then partitions, gathers and
+reduce-scatters experts over the expert-data-parallel group only
+(runtime/zero/partition_parameters.py:1302), averages their gradients over the whole
+data-parallel world and sums their norm over the expert-parallel group
+(runtime/zero/stage3.py:675-692, 1995). Pin DeepSpeed: these are internals (0.19.8).
 """
 
 from __future__ import annotations
@@ -100,16 +109,28 @@ def is_expert_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
 
 
-def tag_expert_parallel(model: nn.Module, layout: Layout) -> None:
+def tag_expert_parallel(model: nn.Module, layout: Layout, zero_stage: int) -> None:
+    """Mark expert parameters for DeepSpeed (see the module docstring): a MoE marker per layer
+    under ZeRO-1/2, AutoEP's per-parameter ZeRO-3 placement under ZeRO-3."""
     if layout.ep_size == 1:
         return
-    marker = _marker_class()
-    for m in model.moe_layers():
-        m.ds_moe_marker = marker(m.cfg.n_routed_experts, layout.ep_size)
-    for name, p in model.named_parameters():
-        if is_expert_param(name):
+    name = expert_group_name(layout.ep_size)
+    if zero_stage == 3:
+        from deepspeed.utils import groups
+
+        edp = groups._get_expert_data_parallel_group(name)
+    else:
+        marker = _marker_class()
+        for m in model.moe_layers():
+            m.ds_moe_marker = marker(m.cfg.n_routed_experts, layout.ep_size)
+    for pname, p in model.named_parameters():
+        if is_expert_param(pname):
             p.allreduce = False
-            p.group_name = expert_group_name(layout.ep_size)
+            p.group_name = name
+            if zero_stage == 3:
+                p.ds_zero_placement_family = "autoep_expert"
+                p.ds_zero_partition_group_name = name
+                p.ds_zero_partition_process_group = edp
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -175,7 +196,7 @@ class Engine:
         import deepspeed
 
         self.cfg, self.layout, self.model = cfg, layout, model
-        tag_expert_parallel(model, layout)
+        tag_expert_parallel(model, layout, effective_zero_stage(cfg, layout))
         t = cfg.train
         groups = param_groups(model, t.weight_decay)
         if t.offload_optimizer:  # optimizer state in host memory, stepped by DeepSpeed's CPU Adam
