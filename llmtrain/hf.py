@@ -190,11 +190,32 @@ def _mtp_prefix(cfg: ModelConfig, k: int) -> str:
     return f"model.layers.{cfg.num_layers + k}."
 
 
+_SKIPPED = "<beyond num_layers>"
+
+
+def _our_name(name: str, cfg: ModelConfig) -> str | None:
+    """Our name for a (non-per-expert) HF name: MTP layers at index L+k become `mtp.k.*`; None
+    for tensors shared with the main model; _SKIPPED for layers past num_layers (MTP not asked)."""
+    for k in range(cfg.mtp_depth):
+        hf_pre = _mtp_prefix(cfg, k)
+        if name.startswith(hf_pre):
+            ours, rest = f"mtp.{k}.", name[len(hf_pre) :]
+            if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+                return ours + rest
+            if rest == "shared_head.norm.weight":
+                return ours + "norm.weight"
+            if rest.startswith(("shared_head.head.", "embed_tokens.")):
+                return None  # shared with the main model
+            return ours + "block." + rest
+    if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
+        return _SKIPPED
+    return name
+
+
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names (per-expert or fused 3D experts) to ours; MTP layers at index L+k to `mtp.k`."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    mtp_map = {_mtp_prefix(cfg, k): f"mtp.{k}." for k in range(cfg.mtp_depth)}
     skipped = []
     for name, t in hf_sd.items():
         m = _EXPERT_RE.match(name)
@@ -223,26 +244,11 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     # MTP renames: model.layers.{L+k}.X -> mtp.k.{block.X | enorm | hnorm | eh_proj | norm}
     renamed: dict[str, torch.Tensor] = {}
     for name, t in out.items():
-        for hf_pre, ours in mtp_map.items():
-            if name.startswith(hf_pre):
-                rest = name[len(hf_pre) :]
-                if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
-                    name = ours + rest
-                elif rest == "shared_head.norm.weight":
-                    name = ours + "norm.weight"
-                elif rest.startswith(("shared_head.head.", "embed_tokens.")):
-                    name = None  # shared with the main model
-                else:
-                    name = ours + "block." + rest
-                break
-        else:
-            if name.startswith("model.layers."):
-                idx = int(name.split(".")[2])
-                if idx >= cfg.num_layers:  # MTP layers we were not asked to load
-                    skipped.append(name)
-                    name = None
-        if name is not None:
-            renamed[name] = t
+        ours = _our_name(name, cfg)
+        if ours is _SKIPPED:
+            skipped.append(name)
+        elif ours is not None:
+            renamed[ours] = t
     if skipped:
         logger.info("ignored %d weights of layers beyond num_layers (MTP not loaded)", len(skipped))
     if cfg.tie_word_embeddings:
@@ -300,6 +306,109 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
     return {name: t for f in files for name, t, _ in read_tensors(f)}
+
+
+def _hf_files(path: Path) -> dict[str, Path]:
+    """tensor name -> file of a HF model directory (index, single file, or any *.safetensors)."""
+    from llmtrain.tensor_io import read_header, tensor_files
+
+    if (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file():
+        return {k: path / f for k, f in tensor_files(path, "model").items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    return {k: f for f in files for k in read_header(f)}
+
+
+@torch.no_grad()
+def load_hf_into(model, path: Path, cfg: ModelConfig) -> None:
+    """Copy a HF checkpoint into a built model, reading only what this model holds.
+
+    Routed experts: only the experts of this rank (each `Experts` module's [offset, offset+El)
+    rows) are read, through safetensors' lazy slices; other tensors one at a time. No rank
+    reads the whole checkpoint. Raises ValueError naming what the checkpoint lacks."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    bufs = dict(model.named_buffers())
+    filled: set[str] = set()
+    rows: dict[tuple[str, str], set[int]] = {}  # (our expert param, gate|up|down) -> experts read
+    by_file: dict[Path, list[str]] = {}
+    for name, f in _hf_files(Path(path)).items():
+        by_file.setdefault(f, []).append(name)
+
+    def target(ours: str) -> torch.Tensor | None:
+        return params[ours] if ours in params else bufs.get(ours)
+
+    def local_rows(ours: str) -> tuple[torch.Tensor | None, int, int]:
+        p = target(ours)
+        if p is None:
+            return None, 0, 0
+        mod = model.get_submodule(ours.rsplit(".", 1)[0])
+        return p, mod.offset, p.shape[0]
+
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as fh:
+            for hf_name in names:
+                m = _EXPERT_RE.match(hf_name)
+                if m:  # per-expert: read it only if this rank holds that expert
+                    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+                    stem = _our_name(prefix + ".w_down", cfg)
+                    if stem in (None, _SKIPPED):
+                        continue
+                    ours = stem[: -len("w_down")] + ("w_down" if kind == "down" else "w_gate_up")
+                    w, off, n = local_rows(ours)
+                    if w is None or not off <= e < off + n:
+                        continue
+                    t = fh.get_tensor(hf_name).t()
+                    fw = w.shape[-1] // 2
+                    if kind == "gate":
+                        w[e - off, :, :fw].copy_(t)
+                    elif kind == "up":
+                        w[e - off, :, fw:].copy_(t)
+                    else:
+                        w[e - off].copy_(t)
+                    rows.setdefault((ours, kind), set()).add(e)
+                    continue
+                fused = hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+                if fused:  # transformers 5.x stacked layout [E, out, in]: our rows, transposed
+                    ours = _our_name(hf_name.rsplit(".", 1)[0] + ".", cfg)
+                    if ours in (None, _SKIPPED):
+                        continue
+                    ours += "w_gate_up" if hf_name.endswith("gate_up_proj") else "w_down"
+                    w, off, n = local_rows(ours)
+                    if w is not None:
+                        w.copy_(fh.get_slice(hf_name)[off : off + n].transpose(1, 2))
+                        filled.add(ours)
+                    continue
+                ours = _our_name(hf_name, cfg)
+                if ours in (None, _SKIPPED):
+                    continue
+                w = target(ours)
+                if w is None:
+                    if ".shared_experts." in hf_name and cfg.n_shared_experts == 0:
+                        continue  # transformers writes empty shared-expert tensors
+                    if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    raise ValueError(f"checkpoint {path} has {hf_name}, which the model lacks")
+                t = fh.get_tensor(hf_name)
+                if tuple(t.shape) != tuple(w.shape):
+                    raise ValueError(
+                        f"{hf_name}: checkpoint shape {tuple(t.shape)} != model {tuple(w.shape)}"
+                    )
+                w.copy_(t)
+                filled.add(ours)
+    for ours in params:  # per-expert tensors: every local expert, every part
+        if ours.endswith(("experts.w_gate_up", "experts.w_down")) and ours not in filled:
+            _, off, n = local_rows(ours)
+            kinds = ("down",) if ours.endswith("w_down") else ("gate", "up")
+            if all(rows.get((ours, k), set()) == set(range(off, off + n)) for k in kinds):
+                filled.add(ours)
+    missing = [n for n in params if n not in filled]
+    if cfg.tie_word_embeddings:
+        missing = [n for n in missing if n != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {missing[:6]} for this model config")
 
 
 def from_pretrained(

@@ -229,6 +229,14 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
             torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), y.reshape(-1)).item()
         )
     assert first == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    # two ranks, experts split: each rank reads only its experts, and the first loss is the same
+    ep = tmp_path / "ep"
+    run_train(ep, 2, ["train.max_steps=1", "train.warmup_steps=1", f"data.cache_dir={cache}", "train.sample_tokens=0",
+                      f"train.init_from={tmp_path / 'hf'}", "model.aux_loss_alpha=0", "parallel.zero_stage=2",
+                      "parallel.ep_size=2"])  # fmt: skip
+    assert json.loads((ep / "metrics.jsonl").read_text().splitlines()[0])["loss"] == pytest.approx(
+        first, rel=1e-5
+    )
 
 
 def _push(args, env):

@@ -210,3 +210,98 @@ def test_yaml_model_builds_and_trains_a_step():
 
 def test_model_config_is_plain_data():
     assert isinstance(ModelConfig().qk_head_dim, int)
+
+
+class _Rank:
+    """What the model asks of a dispatcher at build time: which experts this rank holds."""
+
+    def __init__(self, ep_size: int, ep_rank: int):
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+
+
+def test_same_seed_same_full_model_at_any_expert_layout(debug_cfg):
+    """Each expert draws from its own stream: the 1-rank model's experts are the concatenation
+    of the EP-2 ranks' local experts, and every other weight is equal."""
+    full = build_model(debug_cfg.model, seed=5)
+    parts = [build_model(debug_cfg.model, seed=5, dispatcher=_Rank(2, r)) for r in range(2)]
+    n_expert = 0
+    for name, p in full.named_parameters():
+        got = [dict(m.named_parameters())[name] for m in parts]
+        if name.endswith(("experts.w_gate_up", "experts.w_down")):
+            assert got[0].shape[0] == p.shape[0] // 2
+            torch.testing.assert_close(torch.cat(got), p, rtol=0, atol=0)
+            n_expert += 1
+        else:
+            torch.testing.assert_close(got[0], p, rtol=0, atol=0)
+            torch.testing.assert_close(got[1], p, rtol=0, atol=0)
+    assert n_expert == 2 * len(full.moe_layers())
+    other = build_model(debug_cfg.model, seed=6)
+    assert not torch.equal(
+        other.model.layers[1].mlp.experts.w_down, full.model.layers[1].mlp.experts.w_down
+    )
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layout):
+    """load_hf_into at EP rank 1 of 2 equals the full state dict's slice and never reads
+    rank 0's experts (per-expert tensors skipped, stacked ones sliced lazily)."""
+    import safetensors
+    from safetensors.torch import save_file
+
+    from llmtrain.hf import load_hf_into, read_safetensors_dir, state_dict_from_hf
+
+    from .hf_utils import make_hf_model
+
+    hf = make_hf_model(seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    full = state_dict_from_hf(read_safetensors_dir(tmp_path / "hf"), cfg)
+    src = tmp_path / "hf"
+    if layout == "fused":  # transformers 5.x names: [E, 2F, D] and [E, D, F]
+        src = tmp_path / "fused"
+        src.mkdir()
+        fused = {}
+        for k, v in full.items():
+            if k.endswith("w_gate_up"):
+                fused[k[: -len("w_gate_up")] + "gate_up_proj"] = v.transpose(1, 2).contiguous()
+            elif k.endswith("w_down"):
+                fused[k[: -len("w_down")] + "down_proj"] = v.transpose(1, 2).contiguous()
+            else:
+                fused[k] = v.contiguous()
+        save_file(fused, str(src / "model.safetensors"))
+
+    reads = []
+    real = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(("tensor", name))
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            reads.append(("slice", name))
+            return self.f.get_slice(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    model = build_model(cfg, seed=0, dispatcher=_Rank(2, 1))
+    load_hf_into(model, src, cfg)
+    el = cfg.n_routed_experts // 2
+    for name, p in model.named_parameters():
+        want = full[name][el:] if name.endswith(("w_gate_up", "w_down")) else full[name]
+        torch.testing.assert_close(p, want, rtol=0, atol=0)
+    expert_reads = [n for kind, n in reads if ".experts." in n]
+    assert expert_reads
+    if layout == "per_expert":
+        assert all(int(n.split(".experts.")[1].split(".")[0]) >= el for n in expert_reads)
+    else:
+        assert all(kind == "slice" for kind, n in reads if ".experts." in n)

@@ -113,8 +113,9 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Normal(0, init_std) matrices, unit norms, zero router bias; rope buffers recomputed.
 
-        Each matrix draws from its own generator seeded by (seed, name), and expert weights are
-        drawn for all E experts and sliced: the same seed gives the same model at any layout.
+        Each matrix draws from its own generator seeded by (seed, name), and each routed expert
+        from its own, seeded by (seed, name, global expert index): a rank draws only the experts
+        it holds, and the same seed gives the same full model at any expert-parallel layout.
         """
         std = self.cfg.init_std
         for mod in self.modules():
@@ -126,23 +127,21 @@ class Transformer(nn.Module):
                 mod.gate.e_score_correction_bias.zero_()
                 mod.last_counts.zero_()
                 mod.load_since_update.zero_()
-        slices = {}
+        offsets = {}
         for name, mod in self.named_modules():
             if isinstance(mod, Experts):
                 for pn in ("w_gate_up", "w_down"):
-                    slices[f"{name}.{pn}"] = (mod.offset, mod.total)
+                    offsets[f"{name}.{pn}"] = mod.offset
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue
-            gen = torch.Generator(device=p.device).manual_seed(
-                seed * 1_000_003 + zlib.crc32(name.encode())
-            )
-            if name in slices:
-                off, total = slices[name]
-                full = torch.empty((total, *p.shape[1:]), dtype=p.dtype, device=p.device)
-                p.copy_(full.normal_(0.0, std, generator=gen)[off : off + p.shape[0]])
+            if name in offsets:
+                for i in range(p.shape[0]):
+                    p[i].normal_(
+                        0.0, std, generator=_generator(p, seed, f"{name}.{offsets[name] + i}")
+                    )
             else:
-                p.normal_(0.0, std, generator=gen)
+                p.normal_(0.0, std, generator=_generator(p, seed, name))
 
     # ------------------------------------------------------------ forward
 
@@ -240,6 +239,10 @@ class Transformer(nn.Module):
         if not layers:
             return torch.zeros(0, self.cfg.n_routed_experts)
         return torch.stack([m.load_since_update for m in layers])
+
+
+def _generator(p: torch.Tensor, seed: int, key: str) -> torch.Generator:
+    return torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
 
 
 def build_model(

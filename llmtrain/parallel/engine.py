@@ -295,13 +295,16 @@ class Engine:
     def ensure_optimizer_state(self, step: int) -> None:
         """Adam creates its state lazily at the first step; resuming needs it before that."""
         base = self._base_optimizer()
-        for g in base.param_groups:
-            for p in g["params"]:
-                st = base.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] = torch.tensor(float(step))
+        # ZeRO-3 hands its flat fp32 partitions to the optimizer only during step
+        # (deepspeed/runtime/zero/stage3.py:1252-1260): take them from the ZeRO optimizer
+        flats = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
+        params = flats if flats is not None else [p for g in base.param_groups for p in g["params"]]
+        for p in params:
+            st = base.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["step"] = torch.tensor(float(step))
         self.relink_optimizer_state()
 
     def set_full(self, p: torch.Tensor, value: torch.Tensor, key: str | None) -> None:

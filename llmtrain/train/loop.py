@@ -140,13 +140,12 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     # ---------------------------------------------------------------- model + engine
     dispatcher = make_dispatcher(layout)
     if t.init_from and ck_dir is None:
-        from llmtrain.hf import model_config_from_hf, read_safetensors_dir, state_dict_from_hf
+        from llmtrain.hf import load_hf_into, model_config_from_hf
 
         hf_cfg = model_config_from_hf(json.loads((Path(t.init_from) / "config.json").read_text()))
         _check_init_from(hf_cfg, cfg.model, t.init_from)
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
-        sd = state_dict_from_hf(read_safetensors_dir(Path(t.init_from)), hf_cfg)
-        ckpt.load_weights_into(model, sd)
+        load_hf_into(model, Path(t.init_from), cfg.model)  # only this rank's experts are read
     else:
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
     if ck_weights is not None:
