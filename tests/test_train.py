@@ -91,13 +91,16 @@ def test_sigkill_then_resume_is_exact(reference, cache, tmp_path):
         )
 
 
-def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path):
-    """2 ranks, ep 2, ZeRO-2 for 10 steps; then 1 rank continues: same curve as never stopping."""
+@pytest.mark.parametrize(
+    "stage", [2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda s: f"zero{s}"
+)
+def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path, stage):
+    """2 ranks, ep 2, ZeRO-2/3 for 10 steps; then 1 rank continues: same curve as never stopping."""
     run = tmp_path / "run"
     kill_when_step(
         run,
         2,
-        base(cache, "parallel.zero_stage=2", "parallel.ep_size=2", "train.save_every=10"),
+        base(cache, f"parallel.zero_stage={stage}", "parallel.ep_size=2", "train.save_every=10"),
         12,
     )
     assert (run / "checkpoints" / "latest").read_text() == "step_00000010"

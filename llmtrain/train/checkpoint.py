@@ -140,7 +140,8 @@ def local_slice(name: str, full: torch.Tensor, model) -> torch.Tensor:
     if not is_expert_param(name):
         return full
     mod = model.get_submodule(name.rsplit(".", 1)[0])
-    n = getattr(mod, name.rsplit(".", 1)[1]).shape[0]
+    p = getattr(mod, name.rsplit(".", 1)[1])
+    n = getattr(p, "ds_shape", p.shape)[0]  # ZeRO-3 leaves an empty tensor; ds_shape is whole
     return full[mod.offset : mod.offset + n]
 
 
