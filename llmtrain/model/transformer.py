@@ -145,6 +145,12 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------ forward
 
+    def weights_read_outside_their_module(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, weight) pairs where `module`'s forward reads `weight` without calling the
+        weight's own module: MLA's latent-cache path multiplies by kv_b_proj.weight directly.
+        Partitioned-weight runtimes (ZeRO-3) must gather those weights for that module."""
+        return [(m, m.kv_b_proj.weight) for m in self.modules() if isinstance(m, MLA)]
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 

@@ -209,6 +209,9 @@ class Engine:
             opt = torch.optim.AdamW(
                 groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
             )
+        if effective_zero_stage(cfg, layout) == 3:  # e.g. the latent-cache decode path
+            for mod, weight in model.weights_read_outside_their_module():
+                deepspeed.zero.register_external_parameter(mod, weight)
         self.ds_config = deepspeed_config(cfg, layout)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=self.ds_config
