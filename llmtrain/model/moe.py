@@ -98,6 +98,7 @@ class Experts(nn.Module):
         impl: str = "auto",
         offset: int = 0,
         total: int = 0,
+        param_attrs: dict | None = None,
     ):
         super().__init__()
         self.inner = inner
@@ -106,6 +107,11 @@ class Experts(nn.Module):
         self.total = total or num_local
         self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * inner))
         self.w_down = nn.Parameter(torch.empty(num_local, inner, hidden))
+        # placement notes from whoever splits the experts (set here, at creation, because a
+        # partitioning runtime may take the weights over as soon as this constructor returns)
+        for k, v in (param_attrs or {}).items():
+            setattr(self.w_gate_up, k, v)
+            setattr(self.w_down, k, v)
 
     def _mm(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, offs):
         if offs is not None:
@@ -147,6 +153,7 @@ class MoE(nn.Module):
         self.experts = Experts(
             e_local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe_impl,
             offset=self.dispatcher.ep_rank * e_local, total=cfg.n_routed_experts,
+            param_attrs=getattr(self.dispatcher, "expert_param_attrs", None),
         )  # fmt: skip
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)

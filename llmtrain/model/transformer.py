@@ -10,6 +10,7 @@ than memory can be described (and counted) without allocating it.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 
@@ -110,17 +111,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, gather=None) -> None:
         """Normal(0, init_std) matrices, unit norms, zero router bias; rope buffers recomputed.
 
         Each matrix draws from its own generator seeded by (seed, name), and each routed expert
         from its own, seeded by (seed, name, global expert index): a rank draws only the experts
         it holds, and the same seed gives the same full model at any expert-parallel layout.
+        `gather(p)`, for partitioned weights, is a context in which `p` is whole and what is
+        written to it is kept (e.g. ZeRO-3's GatheredParameters); one weight at a time.
         """
         std = self.cfg.init_std
+        whole = gather or (lambda p: contextlib.nullcontext())
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
-                mod.weight.fill_(1.0)
+                with whole(mod.weight):
+                    mod.weight.fill_(1.0)
             elif isinstance(mod, RotaryEmbedding):
                 mod.reset_parameters()
             elif isinstance(mod, MoE):
@@ -133,17 +138,15 @@ class Transformer(nn.Module):
                 for pn in ("w_gate_up", "w_down"):
                     offsets[f"{name}.{pn}"] = mod.offset
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            if name in offsets:
-                for i in range(p.shape[0]):
-                    p[i].normal_(
-                        0.0, std, generator=_generator(p, seed, f"{name}.{offsets[name] + i}")
-                    )
-            else:
-                p.normal_(0.0, std, generator=_generator(p, seed, name))
-
-    # ------------------------------------------------------------ forward
+            with whole(p):
+                if p.dim() < 2:
+                    continue
+                if name in offsets:
+                    for i in range(p.shape[0]):
+                        g = _generator(p, seed, f"{name}.{offsets[name] + i}")
+                        p[i].normal_(0.0, std, generator=g)
+                else:
+                    p.normal_(0.0, std, generator=_generator(p, seed, name))
 
     def weights_read_outside_their_module(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, weight) pairs where `module`'s forward reads `weight` without calling the
@@ -257,12 +260,24 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int | None = 0,
     dispatcher=None,
+    init_context=None,
+    gather=None,
 ) -> Transformer:
     """Create on the meta device, then materialise on `device` and initialise (unless meta).
+
+    A rank materialises only the routed experts its dispatcher gives it. With `init_context`
+    (a callable returning a context, e.g. ZeRO-3's `deepspeed.zero.Init`) the modules are
+    created inside it instead, so a partitioning runtime keeps only this rank's part of each
+    weight, and `gather` (see `init_weights`) initialises them one weight at a time.
 
     Router weights and the correction bias stay fp32 whatever `dtype` is: routing decisions are
     made in fp32, as in DeepSeek-V3.
     """
+    if init_context is not None:
+        with init_context():
+            model = Transformer(cfg, dispatcher)
+        model.init_weights(seed or 0, gather=gather)
+        return model
     with torch.device("meta"):
         model = Transformer(cfg, dispatcher)
     if str(device) == "meta":

@@ -109,36 +109,65 @@ def is_expert_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
 
 
+def expert_param_attrs(layout: Layout, zero_stage: int) -> dict[str, Any]:
+    """What DeepSpeed reads off an expert parameter (see the module docstring)."""
+    name = expert_group_name(layout.ep_size)
+    attrs: dict[str, Any] = {"allreduce": False, "group_name": name}
+    if zero_stage == 3:
+        from deepspeed.utils import groups
+
+        attrs.update(
+            ds_zero_placement_family="autoep_expert",
+            ds_zero_partition_group_name=name,
+            ds_zero_partition_process_group=groups._get_expert_data_parallel_group(name),
+        )
+    return attrs
+
+
 def tag_expert_parallel(model: nn.Module, layout: Layout, zero_stage: int) -> None:
     """Mark expert parameters for DeepSpeed (see the module docstring): a MoE marker per layer
     under ZeRO-1/2, AutoEP's per-parameter ZeRO-3 placement under ZeRO-3."""
     if layout.ep_size == 1:
         return
-    name = expert_group_name(layout.ep_size)
-    if zero_stage == 3:
-        from deepspeed.utils import groups
-
-        edp = groups._get_expert_data_parallel_group(name)
-    else:
+    if zero_stage != 3:
         marker = _marker_class()
         for m in model.moe_layers():
             m.ds_moe_marker = marker(m.cfg.n_routed_experts, layout.ep_size)
+    attrs = expert_param_attrs(layout, zero_stage)
     for pname, p in model.named_parameters():
         if is_expert_param(pname):
-            p.allreduce = False
-            p.group_name = name
-            if zero_stage == 3:
-                p.ds_zero_placement_family = "autoep_expert"
-                p.ds_zero_partition_group_name = name
-                p.ds_zero_partition_process_group = edp
+            for k, v in attrs.items():
+                setattr(p, k, v)
+
+
+def sharded_build(cfg: Config, layout: Layout, dispatcher) -> dict[str, Any]:
+    """Keyword arguments for `build_model` so that each rank allocates only what it keeps.
+
+    Under ZeRO-3 the modules are created inside `deepspeed.zero.Init` (each weight is cut to
+    this rank's partition as its module is built; experts over the expert-data-parallel group,
+    which is why the dispatcher hands the experts their placement at creation) and initialised
+    one weight at a time under `GatheredParameters` (rank 0 of the weight's group writes).
+    Other stages need nothing: a rank builds only its experts anyway, and ZeRO-1/2 keep whole
+    weights on every rank."""
+    if effective_zero_stage(cfg, layout) != 3:
+        return {}
+    import deepspeed
+
+    if dispatcher is not None:
+        dispatcher.expert_param_attrs = expert_param_attrs(layout, 3)
+    ds_config = deepspeed_config(cfg, layout)
+    return {
+        "init_context": lambda: deepspeed.zero.Init(config_dict_or_path=ds_config),
+        "gather": lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
+    }
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices only; expert params split into DeepSpeed's MoE groups."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+        if p.requires_grad:  # ds_shape: a weight built under zero.Init is already partitioned
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},

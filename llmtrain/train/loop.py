@@ -146,7 +146,12 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
         _check_init_from(hf_cfg, cfg.model, t.init_from)
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
         load_hf_into(model, Path(t.init_from), cfg.model)  # only this rank's experts are read
-    else:
+    elif ck_dir is None:  # a fresh run: under ZeRO-3 each rank allocates only its partition
+        from llmtrain.parallel.engine import sharded_build
+
+        hooks = sharded_build(cfg, layout, dispatcher)
+        model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher, **hooks)
+    else:  # resuming copies whole weights into the model before the engine exists
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
     if ck_weights is not None:
         ckpt.load_weights_into(model, ck_weights)
