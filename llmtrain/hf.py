@@ -8,6 +8,7 @@ Shape legend: E experts, D hidden, F expert width.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -320,95 +321,112 @@ def _hf_files(path: Path) -> dict[str, Path]:
     return {k: f for f in files for k in read_header(f)}
 
 
+def _hf_sources(names, cfg: ModelConfig) -> dict[str, list[tuple[str, str, int]]]:
+    """Our tensor name -> the HF tensors it is made of: (hf name, part, expert index), part
+    one of whole | fused (stacked experts [E, out, in]) | gate | up | down (one expert's)."""
+    out: dict[str, list[tuple[str, str, int]]] = {}
+    for hf_name in names:
+        m = _EXPERT_RE.match(hf_name)
+        if m:
+            stem = _our_name(m.group(1) + ".w_down", cfg)
+            if stem not in (None, _SKIPPED):
+                ours = stem[: -len("w_down")] + ("w_down" if m.group(3) == "down" else "w_gate_up")
+                out.setdefault(ours, []).append((hf_name, m.group(3), int(m.group(2))))
+        elif hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            stem = _our_name(hf_name.rsplit(".", 1)[0] + ".", cfg)
+            if stem not in (None, _SKIPPED):
+                ours = stem + ("w_gate_up" if hf_name.endswith("gate_up_proj") else "w_down")
+                out[ours] = [(hf_name, "fused", -1)]
+        else:
+            ours = _our_name(hf_name, cfg)
+            if ours not in (None, _SKIPPED):
+                out.setdefault(ours, []).append((hf_name, "whole", -1))
+    return out
+
+
 @torch.no_grad()
-def load_hf_into(model, path: Path, cfg: ModelConfig) -> None:
+def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None) -> None:
     """Copy a HF checkpoint into a built model, reading only what this model holds.
 
     Routed experts: only the experts of this rank (each `Experts` module's [offset, offset+El)
-    rows) are read, through safetensors' lazy slices; other tensors one at a time. No rank
-    reads the whole checkpoint. Raises ValueError naming what the checkpoint lacks."""
+    rows) are read, per-expert tensors by name and stacked ones through safetensors' lazy
+    slices; other tensors one at a time. No rank reads the whole checkpoint. `gather(p)`, for
+    partitioned weights (ZeRO-3), is a context in which `p` is whole and writes are kept; each
+    weight is gathered once. Raises ValueError naming what does not match."""
     from safetensors import safe_open
 
+    path = Path(path)
+    files = _hf_files(path)
+    sources = _hf_sources(files, cfg)
     params = dict(model.named_parameters())
     bufs = dict(model.named_buffers())
-    filled: set[str] = set()
-    rows: dict[tuple[str, str], set[int]] = {}  # (our expert param, gate|up|down) -> experts read
-    by_file: dict[Path, list[str]] = {}
-    for name, f in _hf_files(Path(path)).items():
-        by_file.setdefault(f, []).append(name)
-
-    def target(ours: str) -> torch.Tensor | None:
-        return params[ours] if ours in params else bufs.get(ours)
-
-    def local_rows(ours: str) -> tuple[torch.Tensor | None, int, int]:
-        p = target(ours)
-        if p is None:
-            return None, 0, 0
-        mod = model.get_submodule(ours.rsplit(".", 1)[0])
-        return p, mod.offset, p.shape[0]
-
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as fh:
-            for hf_name in names:
-                m = _EXPERT_RE.match(hf_name)
-                if m:  # per-expert: read it only if this rank holds that expert
-                    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-                    stem = _our_name(prefix + ".w_down", cfg)
-                    if stem in (None, _SKIPPED):
-                        continue
-                    ours = stem[: -len("w_down")] + ("w_down" if kind == "down" else "w_gate_up")
-                    w, off, n = local_rows(ours)
-                    if w is None or not off <= e < off + n:
-                        continue
-                    t = fh.get_tensor(hf_name).t()
-                    fw = w.shape[-1] // 2
-                    if kind == "gate":
-                        w[e - off, :, :fw].copy_(t)
-                    elif kind == "up":
-                        w[e - off, :, fw:].copy_(t)
-                    else:
-                        w[e - off].copy_(t)
-                    rows.setdefault((ours, kind), set()).add(e)
-                    continue
-                fused = hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-                if fused:  # transformers 5.x stacked layout [E, out, in]: our rows, transposed
-                    ours = _our_name(hf_name.rsplit(".", 1)[0] + ".", cfg)
-                    if ours in (None, _SKIPPED):
-                        continue
-                    ours += "w_gate_up" if hf_name.endswith("gate_up_proj") else "w_down"
-                    w, off, n = local_rows(ours)
-                    if w is not None:
-                        w.copy_(fh.get_slice(hf_name)[off : off + n].transpose(1, 2))
-                        filled.add(ours)
-                    continue
-                ours = _our_name(hf_name, cfg)
-                if ours in (None, _SKIPPED):
-                    continue
-                w = target(ours)
-                if w is None:
-                    if ".shared_experts." in hf_name and cfg.n_shared_experts == 0:
-                        continue  # transformers writes empty shared-expert tensors
-                    if ours == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue
-                    raise ValueError(f"checkpoint {path} has {hf_name}, which the model lacks")
-                t = fh.get_tensor(hf_name)
-                if tuple(t.shape) != tuple(w.shape):
-                    raise ValueError(
-                        f"{hf_name}: checkpoint shape {tuple(t.shape)} != model {tuple(w.shape)}"
-                    )
-                w.copy_(t)
-                filled.add(ours)
-    for ours in params:  # per-expert tensors: every local expert, every part
-        if ours.endswith(("experts.w_gate_up", "experts.w_down")) and ours not in filled:
-            _, off, n = local_rows(ours)
-            kinds = ("down",) if ours.endswith("w_down") else ("gate", "up")
-            if all(rows.get((ours, k), set()) == set(range(off, off + n)) for k in kinds):
-                filled.add(ours)
-    missing = [n for n in params if n not in filled]
+    whole = gather or (lambda p: contextlib.nullcontext())
+    for ours, src in sources.items():
+        if ours in params or ours in bufs:
+            continue
+        if ".shared_experts." in ours and cfg.n_shared_experts == 0:
+            continue  # transformers writes empty shared-expert tensors when there are none
+        if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        raise ValueError(f"checkpoint {path} has {src[0][0]}, which the model lacks")
+    missing = [n for n in params if n not in sources]
     if cfg.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing[:6]} for this model config")
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(hf_name: str):
+            f = files[hf_name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            return handles[f]
+
+        targets = [(n, t, True) for n, t in params.items()] + [
+            (n, t, False) for n, t in bufs.items()
+        ]
+        for ours, w, is_param in targets:
+            if ours not in sources:
+                continue
+            with whole(w) if is_param else contextlib.nullcontext():
+                _fill(model, ours, w, sources[ours], read, path)
+
+
+def _fill(model, ours: str, w: torch.Tensor, src, read, path: Path) -> None:
+    """Write the HF tensors `src` into our (whole) tensor `w`; experts: this rank's rows only."""
+    part = src[0][1]
+    if part == "whole":
+        t = read(src[0][0]).get_tensor(src[0][0])
+        if tuple(t.shape) != tuple(w.shape):
+            raise ValueError(
+                f"{src[0][0]}: checkpoint shape {tuple(t.shape)} != model {tuple(w.shape)}"
+            )
+        w.copy_(t)
+        return
+    off, n = model.get_submodule(ours.rsplit(".", 1)[0]).offset, w.shape[0]
+    if part == "fused":  # transformers 5.x stacked layout [E, out, in]: our rows, transposed
+        w.copy_(read(src[0][0]).get_slice(src[0][0])[off : off + n].transpose(1, 2))
+        return
+    f = w.shape[-1] // 2
+    seen: dict[str, set[int]] = {}
+    for hf_name, kind, e in src:
+        if not off <= e < off + n:
+            continue  # another rank's expert: not read
+        t = read(hf_name).get_tensor(hf_name).t()
+        dst = (
+            w[e - off]
+            if kind == "down"
+            else w[e - off, :, :f]
+            if kind == "gate"
+            else w[e - off, :, f:]
+        )
+        dst.copy_(t)
+        seen.setdefault(kind, set()).add(e)
+    for kind in ("down",) if ours.endswith("w_down") else ("gate", "up"):
+        if seen.get(kind, set()) != set(range(off, off + n)):
+            raise ValueError(f"checkpoint {path} lacks {kind} weights of experts of {ours}")
 
 
 def from_pretrained(

@@ -139,18 +139,18 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
 
     # ---------------------------------------------------------------- model + engine
     dispatcher = make_dispatcher(layout)
-    if t.init_from and ck_dir is None:
-        from llmtrain.hf import load_hf_into, model_config_from_hf
-
-        hf_cfg = model_config_from_hf(json.loads((Path(t.init_from) / "config.json").read_text()))
-        _check_init_from(hf_cfg, cfg.model, t.init_from)
-        model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
-        load_hf_into(model, Path(t.init_from), cfg.model)  # only this rank's experts are read
-    elif ck_dir is None:  # a fresh run: under ZeRO-3 each rank allocates only its partition
+    if ck_dir is None:  # a fresh run: under ZeRO-3 each rank allocates only its partition
         from llmtrain.parallel.engine import sharded_build
 
         hooks = sharded_build(cfg, layout, dispatcher)
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher, **hooks)
+        if t.init_from:
+            from llmtrain.hf import load_hf_into, model_config_from_hf
+
+            hf = json.loads((Path(t.init_from) / "config.json").read_text())
+            _check_init_from(model_config_from_hf(hf), cfg.model, t.init_from)
+            # only this rank's experts are read; weights gathered one at a time under ZeRO-3
+            load_hf_into(model, Path(t.init_from), cfg.model, gather=hooks.get("gather"))
     else:  # resuming copies whole weights into the model before the engine exists
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
     if ck_weights is not None:
