@@ -52,7 +52,8 @@ def _dispatch(rank, world, out_dir):
     _gloo(rank, world)
     try:
         cfg = ModelConfig(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
-                          num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)  # fmt: skip
+                          num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                          moe_impl="grouped_mm")  # fmt: skip
         cfg.validate()
         group = dist.new_group(list(range(world)))
         full = MoE(cfg)
@@ -69,9 +70,17 @@ def _dispatch(rank, world, out_dir):
         x = torch.randn(2 + rank, 5, 32, generator=torch.Generator().manual_seed(rank))
         g = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + rank))
 
+        host_reads = []
+        real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+
         def step():
             xr = x.clone().requires_grad_(True)
-            y, _ = ep(xr)
+            torch.Tensor.tolist = lambda t: host_reads.append("tolist") or real_tolist(t)
+            torch.Tensor.item = lambda t: host_reads.append("item") or real_item(t)
+            try:
+                y, _ = ep(xr)
+            finally:
+                torch.Tensor.tolist, torch.Tensor.item = real_tolist, real_item
             (y * g).sum().backward()
             return y, xr.grad
 
@@ -84,6 +93,7 @@ def _dispatch(rank, world, out_dir):
         # the expert gradient sums both ranks' tokens: compare with the two full-model grads
         wg = comm.all_reduce(full.experts.w_gate_up.grad)[rank * el : (rank + 1) * el]
         torch.testing.assert_close(ep.experts.w_gate_up.grad, wg, atol=1e-4, rtol=1e-4)
+        assert host_reads == ["tolist"], host_reads  # the split sizes: one host sync per call
         if rank == 0:
             (out_dir / "dispatch.json").write_text(json.dumps([r.op for r in recs]))
     finally:
