@@ -143,10 +143,9 @@ class Transformer(nn.Module):
                     continue
                 if name in offsets:
                     for i in range(p.shape[0]):
-                        g = _generator(p, seed, f"{name}.{offsets[name] + i}")
-                        p[i].normal_(0.0, std, generator=g)
+                        _normal(p[i], std, _generator(p, seed, f"{name}.{offsets[name] + i}"))
                 else:
-                    p.normal_(0.0, std, generator=_generator(p, seed, name))
+                    _normal(p, std, _generator(p, seed, name))
 
     def weights_read_outside_their_module(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, weight) pairs where `module`'s forward reads `weight` without calling the
@@ -252,6 +251,14 @@ class Transformer(nn.Module):
 
 def _generator(p: torch.Tensor, seed: int, key: str) -> torch.Generator:
     return torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+
+
+def _normal(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Draw in fp32 whatever t's dtype (a weight built in bf16 gets the fp32 draw, rounded)."""
+    if t.dtype == torch.float32:
+        t.normal_(0.0, std, generator=gen)
+    else:
+        t.copy_(torch.empty(t.shape, device=t.device).normal_(0.0, std, generator=gen))
 
 
 def build_model(
