@@ -133,12 +133,14 @@ def _train(rank, world, run_dir, cache, overrides):
         (run_dir / "final.json").write_text(json.dumps({"loss": final["loss"]}))
 
 
-@pytest.mark.slow  # ~25 s: data preparation and DeepSpeed start-up on two ranks
-def test_training_run_hands_collectives_the_group_device(tmp_path):
+@pytest.mark.slow  # ~25 s each: data preparation and DeepSpeed start-up on two ranks
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"zero{s}")
+def test_training_run_hands_collectives_the_group_device(tmp_path, stage):
     """Dispatch, the loss/stat reduction, the router-bias load reduction, evaluation and the
     checkpoint of an EP-2 run, all under a declared non-CPU communication device."""
     run = tmp_path / "run"
-    _spawn(_train, run, str(tmp_path / "cache"), ["parallel.zero_stage=2", "parallel.ep_size=2"])
+    over = [f"parallel.zero_stage={stage}", "parallel.ep_size=2"]
+    _spawn(_train, run, str(tmp_path / "cache"), over)
     recs = json.loads((run / "records.json").read_text())
     callers = {c for _, c in recs}
     assert "llmtrain.train.loop._train" in callers  # stats + expert loads
