@@ -254,7 +254,7 @@ class TrainConfig:
     sample_tokens: int = 64  # length of the text sample generated at the end (0: none)
     init_from: str = ""  # a Hugging Face DeepseekV3/V2 directory to continue pre-training from
     eval_tasks: list = field(default_factory=list)  # lm-evaluation-harness tasks run periodically
-    eval_tasks_every: int = 0  # steps between those evaluations (0: every save_every)
+    eval_tasks_every: int = 0  # steps between those evaluations (0: with each train.eval_every)
     eval_tasks_limit: int = 0  # documents per task (0: all)
     deepspeed: dict = field(default_factory=dict)  # extra DeepSpeed keys merged over ours
 
@@ -264,6 +264,10 @@ class TrainConfig:
             _positive(prefix, name, getattr(self, name))
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
+        if not all(isinstance(x, str) for x in self.eval_tasks):
+            raise ConfigError(f"{prefix}.eval_tasks must be a list of lm-eval task names")
+        if self.eval_tasks_every < 0 or self.eval_tasks_limit < 0:
+            raise ConfigError(f"{prefix}.eval_tasks_every and {prefix}.eval_tasks_limit must be >= 0")
         if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
             raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:

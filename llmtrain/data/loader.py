@@ -89,8 +89,11 @@ def permute(i: np.ndarray, n: int, seed: int, epoch: int, rounds: int = 6) -> np
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
     keys = [
-        _mix64(np.array([(seed * 0x9E3779B1 + epoch * 0x85EBCA77 + r) & 0xFFFFFFFFFFFFFFFF],
-                        dtype=np.uint64))[0]  # fmt: skip
+        _mix64(
+            np.array(
+                [(seed * 0x9E3779B1 + epoch * 0x85EBCA77 + r) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64
+            )
+        )[0]  # fmt: skip
         for r in range(rounds)
     ]
     x = np.asarray(i, dtype=np.uint64).copy()

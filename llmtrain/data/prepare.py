@@ -37,6 +37,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -426,6 +427,7 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
     bad_n, bad_first = prog.get("bad", 0), list(prog.get("bad_examples", []))
     args = (str(out / "tokenizer.json"), data_cfg.text_field, data_cfg.val_percent, dtype.name)
     nproc = _num_proc(data_cfg)
+    fault_chunk = int(os.environ.get("LLMTRAIN_FAULT_KILL_AT_CHUNK", "0"))
     bar = tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=None, initial=chars)
 
     def consume(res: dict, k: int) -> None:
@@ -433,6 +435,8 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
         for s in ("train", "val"):
             writers[s].append(res[s], res[s + "_docs"])
             writers[s].flush()
+        if k == fault_chunk:  # tests: die between writing tokens and recording them
+            os.kill(os.getpid(), signal.SIGKILL)
         chars += res["chars"]
         bar.update(res["chars"])
         if res["bad"]:
@@ -515,5 +519,3 @@ def describe(final: Path) -> str:
         f"{sp['train']['docs'] + sp['val']['docs']:,} documents, "
         f"{idx['bad_records']} bad record(s) skipped"
     )
-
-

@@ -37,7 +37,9 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "state.json").is_file()
 
 
-def task_manager(include_path: list[str] | None = None):
+def task_manager(tasks: list[str], include_path: list[str] | None = None):
+    """Our task folder and the user's; the harness's ~thousands of built-in task files are
+    indexed (slow) only when a requested task is not found in those."""
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)]
@@ -45,7 +47,16 @@ def task_manager(include_path: list[str] | None = None):
         if not Path(p).is_dir():
             raise EvalError(f"--include-path {p} is not a directory of task YAML files")
         paths.append(str(p))
-    return TaskManager(include_path=paths)
+    tm = TaskManager(include_path=paths, include_defaults=False)
+    if any(t not in tm.all_tasks for t in tasks):
+        tm = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        raise EvalError(
+            f"unknown task(s) {', '.join(unknown)}; the shipped offline tasks are llmtrain_ppl "
+            "and llmtrain_mc; add your own with --include-path DIR"
+        )
+    return tm
 
 
 def evaluate_hf_dir(
@@ -63,13 +74,7 @@ def evaluate_hf_dir(
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    tm = task_manager(include_path)
-    unknown = [t for t in tasks if t not in tm.all_tasks]
-    if unknown:
-        raise EvalError(
-            f"unknown task(s) {', '.join(unknown)}; the shipped offline tasks are llmtrain_ppl "
-            "and llmtrain_mc; add your own with --include-path DIR"
-        )
+    tm = task_manager(list(tasks), include_path)
     lm = HFLM(pretrained=str(hf_dir), device=device, dtype=dtype, batch_size=batch_size,
               max_length=max_length)  # fmt: skip
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
