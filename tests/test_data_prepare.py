@@ -223,3 +223,25 @@ def test_sampler_is_a_stateless_permutation():
     n = 10**12  # a trillion sequences: a step still takes microseconds and no memory
     idx = global_sample_indices(n, 123456789, 4096, 3)
     assert len(np.unique(idx)) == 4096 and idx.min() >= 0 and idx.max() < n
+
+
+def test_cli_prepare_reports_and_bad_inputs_are_one_line(tmp_path, capsys):
+    d = _corpus(tmp_path, n_files=2)
+    cfg = str(ROOT / "configs" / "debug.yaml")
+    common = [f"data.cache_dir={tmp_path / 'c'}", "model.vocab_size=300", "data.val_percent=20"]
+    mix = f"data.sources=[{{path: {d}/0.jsonl, weight: 2}}, {d}/1.jsonl]"
+    assert main(["data", "prepare", cfg, mix, *common]) == 0
+    out = capsys.readouterr().out
+    assert "train /" in out and "120 documents, 0 bad record(s) skipped" in out
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x01binary")
+    (tmp_path / "bad.jsonl").write_text("{oops\n" * 3)
+    cases = [
+        (f"data.sources=[{tmp_path}/missing]", "does not exist"),
+        (f"data.sources=[{tmp_path}/bin.txt]", "looks binary"),
+        (f"data.sources=[{tmp_path}/bad.jsonl]", "bad.jsonl:3: not valid JSON"),
+        (f"data.sources=[{{path: {d}, weight: -2}}]", "weight=-2 must be a positive number"),
+    ]
+    for src, msg in cases:
+        assert main(["data", "prepare", cfg, src, *common, "data.max_bad_records=2"]) == 2, src
+        err = capsys.readouterr().err.strip()
+        assert msg in err and len(err.splitlines()) == 1 and "Traceback" not in err, err

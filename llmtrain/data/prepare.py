@@ -480,7 +480,8 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
     for w in writers.values():
         w.close_shard()
     if not writers["train"].shards:
-        raise DataError(f"no training text found in data.sources={data_cfg.sources}")
+        why = f"; {bad_n} bad record(s) skipped, the first: {bad_first[0]}" if bad_n else ""
+        raise DataError(f"no training text found in data.sources={data_cfg.sources}{why}")
     if not writers["val"].shards:
         raise DataError("the validation split is empty: raise data.val_percent or add documents")
     if bad_n:
