@@ -245,3 +245,20 @@ def test_cli_prepare_reports_and_bad_inputs_are_one_line(tmp_path, capsys):
         assert main(["data", "prepare", cfg, src, *common, "data.max_bad_records=2"]) == 2, src
         err = capsys.readouterr().err.strip()
         assert msg in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_two_processes_sharing_a_cache_build_once(tmp_path):
+    d = _corpus(tmp_path, n_files=4, docs_per=200)
+    cmd = [sys.executable, "-m", "llmtrain.cli", "data", "prepare", str(ROOT / "configs" / "debug.yaml"),
+           f"data.sources=[{d}]", f"data.cache_dir={tmp_path / 'shared'}", "model.vocab_size=300",
+           "data.num_proc=1", "data.chunk_bytes=20000"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("preparing data into" in err for _, err in outs) == 1  # one writer
+    assert outs[0][0] == outs[1][0]  # both report the same prepared directory
+    assert [p.name for p in (tmp_path / "shared" / "data").iterdir()] == [
+        outs[0][0].split(":")[0].rsplit("/", 1)[1]
+    ]  # no .partial, no .lock left
