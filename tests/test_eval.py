@@ -90,11 +90,12 @@ def test_training_logs_periodic_evals(tmp_path):
         "".join(json.dumps({"text": " ".join(rng.choice(words, 80))}) + "\n" for _ in range(300))
     )
     run = tmp_path / "run"
-    run_train(run, 1, [f"data.sources=[{src}]", f"data.cache_dir={tmp_path / 'cache'}",
+    p = run_train(run, 1, [f"data.sources=[{src}]", f"data.cache_dir={tmp_path / 'cache'}",
                        "data.tokenizer_train_bytes=100000", "data.val_percent=10",
                        "train.max_steps=4", "train.warmup_steps=1", "train.eval_every=2",
                        "train.sample_tokens=0", "train.save_every=4",
                        "train.eval_tasks=[llmtrain_mc]", "train.eval_tasks_limit=4"])  # fmt: skip
+    assert "preparing data into" in p.stderr  # train prepares a missing cache, and says so
     recs = metrics(run)
     with_eval = [r["step"] for r in recs if "eval/llmtrain_mc/acc" in r]
     assert with_eval == [2, 4]
