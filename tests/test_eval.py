@@ -81,7 +81,6 @@ def test_cli_eval_hf_dir_with_user_tasks(checkpoint, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nothing"), "--tasks", "llmtrain_mc"]) == 2
 
 
-@pytest.mark.slow
 def test_training_logs_periodic_evals(tmp_path):
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and dog ran far away".split()
