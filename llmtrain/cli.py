@@ -291,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=cmd_export)
 
-    dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_cmd", required=True)
+    dp = sub.add_parser("data", help="data preparation").add_subparsers(
+        dest="data_cmd", required=True
+    )
     d = dp.add_parser("prepare", help="tokenize data.sources into the shared cache (resumable)")
     d.add_argument("config", help="YAML config (its data and model.vocab_size sections)")
     d.add_argument("overrides", nargs="*", help="a.b=c overrides")

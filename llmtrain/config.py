@@ -267,7 +267,9 @@ class TrainConfig:
         if not all(isinstance(x, str) for x in self.eval_tasks):
             raise ConfigError(f"{prefix}.eval_tasks must be a list of lm-eval task names")
         if self.eval_tasks_every < 0 or self.eval_tasks_limit < 0:
-            raise ConfigError(f"{prefix}.eval_tasks_every and {prefix}.eval_tasks_limit must be >= 0")
+            raise ConfigError(
+                f"{prefix}.eval_tasks_every and {prefix}.eval_tasks_limit must be >= 0"
+            )
         if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
             raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
