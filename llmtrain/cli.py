@@ -94,6 +94,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from llmtrain.data.prepare import describe, prepare_data
+
+    cfg = load_config(args.config, args.overrides)
+    if args.num_proc is not None:
+        cfg.data.num_proc = args.num_proc
+    print(describe(prepare_data(cfg.data, cfg.model.vocab_size)))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from llmtrain.eval import format_results, run_eval
+
+    res = run_eval(args.model, args.tasks, include_path=args.include_path, limit=args.limit,
+                   batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+    print(json.dumps(res["results"], indent=2) if args.json else format_results(res))
+    return 0
+
+
 def cmd_hostfile(args: argparse.Namespace) -> int:
     from llmtrain.parallel.hostfile import parse_hostfile
 
@@ -270,6 +291,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=cmd_export)
 
+    dp = sub.add_parser("data", help="data preparation").add_subparsers(
+        dest="data_cmd", required=True
+    )
+    d = dp.add_parser("prepare", help="tokenize data.sources into the shared cache (resumable)")
+    d.add_argument("config", help="YAML config (its data and model.vocab_size sections)")
+    d.add_argument("overrides", nargs="*", help="a.b=c overrides")
+    d.add_argument("--num-proc", type=int, default=None, help="processes (default data.num_proc)")
+    d.set_defaults(func=cmd_data_prepare)
+
+    ev = sub.add_parser("eval", help="lm-evaluation-harness tasks on a run, checkpoint or HF dir")
+    ev.add_argument("model", help="a run directory, a checkpoint, or a Hugging Face directory")
+    ev.add_argument("--tasks", nargs="+", default=["llmtrain_ppl", "llmtrain_mc"],
+                    help="task names; the shipped offline tasks are llmtrain_ppl, llmtrain_mc")  # fmt: skip
+    ev.add_argument("--include-path", action="append", default=[], help="your task YAML folder")
+    ev.add_argument("--limit", type=int, default=None, help="documents per task")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--json", action="store_true", help="print the results as JSON")
+    ev.add_argument("--out", help="also write the full results JSON here")
+    ev.set_defaults(func=cmd_eval)
+
     h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
     h.add_argument("hostfile")
     h.set_defaults(func=cmd_hostfile)
@@ -288,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.cmd == "train":
+    if args.cmd in ("train", "data"):
         logging.getLogger("llmtrain").setLevel(logging.INFO)
     try:
         return args.func(args)

@@ -201,10 +201,19 @@ class DataConfig:
     shard_tokens: int = 50_000_000
     cache_dir: str = ""  # default $LLMTRAIN_CACHE or ~/.cache/llmtrain
     doc_mask: bool = False  # attention stays inside each packed document
+    num_proc: int = 0  # processes that parse and encode (0: all cores of this machine)
+    max_bad_records: int = 1000  # malformed records skipped (and counted) before preparing fails
+    chunk_bytes: int = 1 << 20  # text per unit of work (and per resumable progress record)
 
     def validate(self, prefix: str = "data") -> None:
-        if not self.sources or not all(isinstance(s, str) for s in self.sources):
-            raise ConfigError(f"{prefix}.sources must be a non-empty list of paths or hf:NAME")
+        if not self.sources or not all(isinstance(s, (str, dict)) for s in self.sources):
+            raise ConfigError(
+                f"{prefix}.sources must be a non-empty list of paths, hf:NAME, "
+                "or {path: ..., weight: ...} mappings"
+            )
+        if self.num_proc < 0 or self.max_bad_records < 0:
+            raise ConfigError(f"{prefix}.num_proc and {prefix}.max_bad_records must be >= 0")
+        _positive(prefix, "chunk_bytes", self.chunk_bytes)
         if not 0 < self.val_percent < 50:
             raise ConfigError(f"{prefix}.val_percent={self.val_percent} must be in (0, 50)")
         _positive(prefix, "shard_tokens", self.shard_tokens)
@@ -244,6 +253,9 @@ class TrainConfig:
     tensorboard: bool = True
     sample_tokens: int = 64  # length of the text sample generated at the end (0: none)
     init_from: str = ""  # a Hugging Face DeepseekV3/V2 directory to continue pre-training from
+    eval_tasks: list = field(default_factory=list)  # lm-evaluation-harness tasks run periodically
+    eval_tasks_every: int = 0  # steps between those evaluations (0: with each train.eval_every)
+    eval_tasks_limit: int = 0  # documents per task (0: all)
     deepspeed: dict = field(default_factory=dict)  # extra DeepSpeed keys merged over ours
 
     def validate(self, prefix: str = "train") -> None:
@@ -252,6 +264,12 @@ class TrainConfig:
             _positive(prefix, name, getattr(self, name))
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
+        if not all(isinstance(x, str) for x in self.eval_tasks):
+            raise ConfigError(f"{prefix}.eval_tasks must be a list of lm-eval task names")
+        if self.eval_tasks_every < 0 or self.eval_tasks_limit < 0:
+            raise ConfigError(
+                f"{prefix}.eval_tasks_every and {prefix}.eval_tasks_limit must be >= 0"
+            )
         if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
             raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:

@@ -86,3 +86,15 @@ def test_document_mask():
     assert m[1, 0] and m[2, 0]  # EOS belongs to its document
     assert not m[3, 2] and m[4, 3] and not m[6, 4]
     assert not m[0, 1]  # causal
+
+
+def test_unigram_entropy_estimate_is_close(tmp_path):
+    src = tmp_path / "docs"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    for i in range(20):
+        (src / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, 300)))
+    ds = PackedDataset(prepare_data(_cfg(tmp_path, [src]), vocab_size=300), "train", 32)
+    exact = ds.unigram_entropy()
+    assert ds.unigram_entropy(max_tokens=ds.n_tokens // 4) == pytest.approx(exact, rel=0.05)

@@ -1,23 +1,75 @@
-"""Where documents come from: local files (txt, jsonl, parquet), a `datasets` dataset, or the
-embedded corpus (this Python's own standard-library sources: real text every machine has).
+"""Where documents come from, streamed: local files (.txt, .jsonl, .jsonl.gz, .parquet, .arrow),
+directories and globs of them, `hf:` datasets (always streamed), or the embedded corpus (this
+Python's own standard-library sources: real text every machine has). No file is read whole.
 
-A document is a string; a source yields (doc_key, text) in a deterministic order. The doc key
-decides the validation split (a stable hash), so the split never depends on file order.
+Reading is split in two so the expensive half runs in worker processes: the reader (one process,
+sequential, deterministic) yields *items* — a JSON line still as bytes, a text column value, a
+piece of a large text file — and `parse_item` (in the workers) turns an item into text or into a
+counted bad record. Each item has a document key; the key decides the validation split (a stable
+hash), so the split never depends on file order or on how the work is cut into chunks.
+
+A source may carry a mixture weight (`{path: ..., weight: w}` in `data.sources`): each of its
+documents is taken floor(w) times, plus once more when a stable hash of its key falls under
+w - floor(w). So 0.25 keeps a quarter of a source, 3 repeats it three times, deterministically.
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
+import logging
+import math
 import sysconfig
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 BUILTIN_STDLIB = "builtin:stdlib"
+TEXT_PIECE_CHARS = 1 << 20  # large .txt files are read (and encoded) in pieces of ~1 MiB
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".txt")
 
 
 class DataError(ValueError):
     """Bad data input: the message says which path or field and what to change."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of data.sources: a path, directory, glob, hf:NAME[:CONFIG][@SPLIT] or builtin."""
+
+    spec: str
+    weight: float = 1.0
+
+
+# An item: (key, kind, payload, end). kind: "json" (payload: one JSON line, bytes), "text"
+# (payload: str), "more" (a further piece of a text file), "bad" (payload: why). `end` is False for all but the last piece of a document
+# (a large text file), which then gets no EOS until its end.
+Item = tuple[str, str, object, bool]
+
+
+def parse_sources(raw: list) -> list[Source]:
+    """data.sources entries: strings, or mappings {path: ..., weight: ...}."""
+    out = []
+    for i, s in enumerate(raw):
+        if isinstance(s, str):
+            out.append(Source(s))
+            continue
+        if isinstance(s, dict) and set(s) <= {"path", "weight"} and isinstance(s.get("path"), str):
+            w = s.get("weight", 1.0)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0):
+                raise DataError(f"data.sources[{i}].weight={w!r} must be a positive number")
+            if not math.isfinite(w):
+                raise DataError(f"data.sources[{i}].weight={w!r} must be finite")
+            out.append(Source(s["path"], float(w)))
+            continue
+        raise DataError(
+            f"data.sources[{i}]={s!r}: give a path, hf:NAME, or a mapping {{path: ..., weight: ...}}"
+        )
+    return out
 
 
 def stdlib_files() -> list[Path]:
@@ -31,79 +83,225 @@ def is_validation(key: str, val_percent: float) -> bool:
     return (zlib.crc32(key.encode()) % 10000) < val_percent * 100
 
 
-def _read_text_file(p: Path) -> str:
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read {p}: {e}") from e
-    if b"\x00" in raw[:4096]:
-        raise DataError(f"{p} looks binary (NUL bytes); give text, jsonl or parquet files")
-    return raw.decode("utf-8", errors="replace")
+def copies(key: str, weight: float) -> int:
+    """How many times a document of a source with this mixture weight is taken (stable)."""
+    whole = math.floor(weight)
+    frac = weight - whole
+    return whole + (frac > 0 and (zlib.crc32(b"mix:" + key.encode()) % 1_000_000) < frac * 1e6)
 
 
-def iter_documents(
-    sources: list[str], text_field: str = "text", streaming: bool = False
-) -> Iterator[tuple[str, str]]:
-    """Yield (key, text) for every non-empty document of every source, deterministically."""
-    for src in sources:
-        if src == BUILTIN_STDLIB:
-            root = Path(sysconfig.get_paths()["stdlib"])
-            for p in stdlib_files():
-                text = _read_text_file(p)
-                if text.strip():
-                    yield str(p.relative_to(root)), text
-            continue
-        if src.startswith("hf:"):
-            yield from _iter_hf(src[3:], text_field, streaming)
-            continue
-        path = Path(src)
-        if not path.exists():
-            raise DataError(f"data path {path} does not exist (data.sources)")
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+def source_files(spec: str) -> list[Path]:
+    """The files of a local source (a file, a directory, or a glob), sorted; errors name it."""
+    if spec == BUILTIN_STDLIB:
+        return stdlib_files()
+    if any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataError(f"data source {spec!r}: the pattern matches no files")
+        return files
+    path = Path(spec)
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist (data.sources)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         if not files:
             raise DataError(f"data directory {path} holds no files")
-        for f in files:
-            yield from _iter_file(f, text_field)
+        return files
+    return [path]
 
 
-def _iter_file(f: Path, text_field: str) -> Iterator[tuple[str, str]]:
-    suffix = f.suffix.lower()
-    if suffix == ".jsonl":
-        for i, line in enumerate(_read_text_file(f).splitlines()):
-            if not line.strip():
+def iter_items(sources: list[Source], text_field: str = "text") -> Iterator[Item]:
+    """Every item of every source in a fixed order, mixture copies included."""
+    for src in sources:
+        if src.spec.startswith("hf:"):
+            for item in _iter_hf(src.spec[3:], text_field):
+                yield from [item] * copies(item[0], src.weight)
+            continue
+        root = Path(sysconfig.get_paths()["stdlib"]) if src.spec == BUILTIN_STDLIB else None
+        for f in source_files(src.spec):
+            key0 = str(f.relative_to(root)) if root else str(f)
+            if _kind(f) == "text":  # one document per file: repeat the whole (streamed) file
+                for _ in range(copies(key0, src.weight)):
+                    yield from _iter_text_file(f, key0)
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{i + 1}: not valid JSON ({e.msg})") from e
-            if text_field not in row:
-                raise DataError(f"{f}:{i + 1}: no field {text_field!r} (set data.text_field)")
-            if str(row[text_field]).strip():
-                yield f"{f}:{i}", str(row[text_field])
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
+            for item in _iter_file(f, text_field):
+                yield from [item] * copies(item[0], src.weight)
 
-        table = pq.read_table(f)
-        if text_field not in table.column_names:
-            raise DataError(f"{f}: no column {text_field!r}; columns are {table.column_names}")
-        for i, t in enumerate(table.column(text_field).to_pylist()):
-            if t and str(t).strip():
-                yield f"{f}:{i}", str(t)
+
+def _kind(f: Path) -> str:
+    name = f.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    return "text"
+
+
+def _iter_file(f: Path, text_field: str) -> Iterator[Item]:
+    kind = _kind(f)
+    if kind == "jsonl":
+        yield from _iter_jsonl(f)
+    elif kind == "parquet":
+        yield from _iter_parquet(f, text_field)
     else:
-        text = _read_text_file(f)
-        if text.strip():
-            yield str(f), text
+        yield from _iter_arrow(f, text_field)
 
 
-def _iter_hf(spec: str, text_field: str, streaming: bool) -> Iterator[tuple[str, str]]:
-    """`hf:NAME[:CONFIG][@SPLIT]`, loaded with `datasets` (streaming supported)."""
+def _iter_jsonl(f: Path) -> Iterator[Item]:
+    opener = gzip.open if f.name.lower().endswith(".gz") else open
+    i = -1
+    try:
+        with opener(f, "rb") as fh:
+            for i, line in enumerate(fh):  # noqa: B007 (i is reported on a truncated file)
+                if line.strip():
+                    yield f"{f}:{i}", "json", line, True
+    except (OSError, EOFError, zlib.error) as e:  # truncated / corrupt gzip, unreadable file
+        yield f"{f}:{i + 1}", "bad", f"{f}: unreadable after line {i + 1} ({e})", True
+
+
+def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
+    """A text file is one document, read in ~1 MiB pieces cut at line ends (never whole).
+    Pieces after the first are kind "more", so the worker ends the document with EOS even when
+    the last piece is empty."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    kind = "text"
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(4096)
+            if b"\x00" in head:
+                yield key, "bad", f"{f} looks binary (NUL bytes); give text, jsonl or parquet", True
+                return
+            pending, raw = "", head
+            while raw:
+                pending += dec.decode(raw)
+                if len(pending) >= TEXT_PIECE_CHARS:
+                    cut = pending.rfind("\n") + 1 or len(pending)
+                    yield key, kind, pending[:cut], False
+                    kind, pending = "more", pending[cut:]
+                raw = fh.read(TEXT_PIECE_CHARS)
+            pending += dec.decode(b"", final=True)
+            yield key, kind, pending, True
+    except (UnicodeDecodeError, OSError) as e:
+        if kind == "more":  # close the document begun in earlier pieces
+            yield key, "more", "", True
+        why = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e})"
+        yield key, "bad", f"{f} {why}", True
+
+
+def _column_batches(f: Path, text_field: str, batches) -> Iterator[Item]:
+    i = 0
+    for b in batches:
+        if text_field not in b.schema.names:
+            raise DataError(f"{f}: no column {text_field!r}; columns are {b.schema.names} "
+                            "(set data.text_field)")  # fmt: skip
+        for t in b.column(text_field).to_pylist():
+            yield f"{f}:{i}", "text", t, True
+            i += 1
+
+
+def _iter_parquet(f: Path, text_field: str) -> Iterator[Item]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        yield str(f), "bad", f"{f} is not a readable parquet file ({e})", True
+        return
+    if text_field not in pf.schema_arrow.names:
+        raise DataError(f"{f}: no column {text_field!r}; columns are {pf.schema_arrow.names} "
+                        "(set data.text_field)")  # fmt: skip
+    try:
+        yield from _column_batches(f, text_field, pf.iter_batches(1024, columns=[text_field]))
+    except (pa.ArrowException, OSError) as e:
+        yield str(f), "bad", f"{f}: unreadable part ({e})", True
+
+
+def _iter_arrow(f: Path, text_field: str) -> Iterator[Item]:
+    """Arrow IPC, file or stream format (what `datasets` writes), memory-mapped."""
+    import pyarrow as pa
+
+    try:
+        src = pa.memory_map(str(f))
+        try:
+            r = pa.ipc.open_file(src)
+            batches = (r.get_batch(i) for i in range(r.num_record_batches))
+        except pa.ArrowInvalid:
+            src.seek(0)
+            batches = pa.ipc.open_stream(src)
+    except (pa.ArrowException, OSError) as e:
+        yield str(f), "bad", f"{f} is not a readable Arrow file ({e})", True
+        return
+    try:
+        yield from _column_batches(f, text_field, batches)
+    except (pa.ArrowException, OSError) as e:
+        yield str(f), "bad", f"{f}: unreadable part ({e})", True
+
+
+def _iter_hf(spec: str, text_field: str) -> Iterator[Item]:
+    """`hf:NAME[:CONFIG][@SPLIT]` — a Hub dataset, or a local dataset directory or script —
+    always streamed through `datasets` (nothing is downloaded whole or converted first)."""
     import datasets
 
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
-    ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=streaming)
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+    except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ...)
+        raise DataError(f"data source hf:{spec}: cannot open with datasets ({e})") from e
     for i, row in enumerate(ds):
         if text_field not in row:
             raise DataError(f"dataset {name}: no field {text_field!r} (set data.text_field)")
-        if row[text_field] and str(row[text_field]).strip():
-            yield f"{name}:{i}", str(row[text_field])
+        yield f"{name}:{i}", "text", row[text_field], True
+
+
+def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
+    """(text, None), (None, None) for an empty document, or (None, why) for a bad record."""
+    key, kind, payload, _ = item
+    if kind == "bad":
+        return None, str(payload)
+    if kind == "json":
+        path, _, i = key.rpartition(":")
+        where = f"{path}:{int(i) + 1}"  # keys count lines from 0, messages from 1
+        try:
+            row = json.loads(payload)
+        except UnicodeDecodeError:
+            return None, f"{where}: not UTF-8"
+        except json.JSONDecodeError as e:
+            return None, f"{where}: not valid JSON ({e.msg})"
+        if not isinstance(row, dict) or text_field not in row:
+            return None, f"{where}: no field {text_field!r} (set data.text_field)"
+        payload = row[text_field]
+    if payload is None:
+        return None, None
+    text = payload if isinstance(payload, str) else str(payload)
+    return (text, None) if (text.strip() or not item[3] or kind == "more") else (None, None)
+
+
+def iter_documents(
+    sources: list, text_field: str = "text", bad: list[str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """(key, text) of every non-empty document, in one process (tokenizer training, tests).
+    Bad records are skipped and appended to `bad` (raised as DataError when `bad` is None);
+    pieces of a large text file are joined."""
+    srcs = [s if isinstance(s, Source) else Source(s) for s in parse_sources(list(sources))]
+    parts: list[str] = []
+    for item in iter_items(srcs, text_field):
+        text, why = parse_item(item, text_field)
+        if why is not None:
+            if bad is None:
+                raise DataError(why)
+            bad.append(why)
+            parts.clear()
+            continue
+        if text is not None:
+            parts.append(text)
+        if item[3] and parts:
+            doc = "".join(parts)
+            parts.clear()
+            if doc.strip():
+                yield item[0], doc

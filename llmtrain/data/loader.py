@@ -6,13 +6,13 @@ M micro-batch, T sequence length.
 Sequence i is stream[i·T : i·T + T + 1] (inputs and next-token labels), documents separated by
 EOS. The sampler is stateless: global step s takes samples s·G … s·G+G−1 of an endless stream
 of seeded per-epoch permutations, and rank r takes its contiguous G/W of them. So the tokens of
-step s are the same at any world size, and resuming at step s needs nothing but s.
+step s are the same at any world size, and resuming at step s needs nothing but s. The
+permutations are stateless bijections (`permute`): O(1) memory per rank at any corpus size.
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -53,10 +53,17 @@ class PackedDataset:
             k += 1
         return out
 
-    def unigram_entropy(self) -> float:
-        """Entropy (nats) of the token frequencies: the loss of the best context-free model."""
+    def unigram_entropy(self, max_tokens: int = 50_000_000) -> float:
+        """Entropy (nats) of the token frequencies: the loss of the best context-free model.
+        Exact up to max_tokens; beyond, estimated on 256 evenly spaced blocks of the stream."""
         counts = np.zeros(self.vocab_size, dtype=np.int64)
-        for m in self.maps:
+        if self.n_tokens <= max_tokens:
+            blocks = list(self.maps)
+        else:
+            size = max_tokens // 256
+            starts = np.linspace(0, self.n_tokens - size, 256).astype(np.int64)
+            blocks = [self._range(int(a), int(a) + size) for a in starts]
+        for m in blocks:
             counts += np.bincount(m, minlength=self.vocab_size)[: self.vocab_size]
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
@@ -70,17 +77,54 @@ class PackedDataset:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-@lru_cache(maxsize=4)
-def _epoch_perm(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixing hash of uint64 values (wraps mod 2^64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(i: np.ndarray, n: int, seed: int, epoch: int, rounds: int = 6) -> np.ndarray:
+    """A seeded bijection of [0, n) evaluated at the positions `i`, with O(1) state: a balanced
+    Feistel network on the smallest even-bit domain 2^(2h) >= n, cycle-walked back into [0, n).
+    Replaces a stored permutation (8 bytes per sequence per rank) at any corpus size."""
+    if n <= 1:
+        return np.zeros_like(np.asarray(i, dtype=np.int64))
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = [
+        _mix64(
+            np.array(
+                [(seed * 0x9E3779B1 + epoch * 0x85EBCA77 + r) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64
+            )
+        )[0]  # fmt: skip
+        for r in range(rounds)
+    ]
+    x = np.asarray(i, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        while todo.any():  # cycle walking: each walk ends within a few rounds (domain < 4n)
+            v = x[todo]
+            left, right = v >> np.uint64(half), v & mask
+            for k in keys:
+                left, right = right, left ^ (_mix64(right ^ k) & mask)
+            v = (left << np.uint64(half)) | right
+            x[todo] = v
+            todo[todo] = v >= np.uint64(n)
+    return x.astype(np.int64)
 
 
 def global_sample_indices(n_seq: int, step: int, global_batch: int, seed: int) -> np.ndarray:
-    pos = np.arange(step * global_batch, (step + 1) * global_batch)
+    """Sequence indices of global step `step`: positions of an endless stream of per-epoch
+    permutations, computed without storing any permutation."""
+    pos = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
     out = np.empty_like(pos)
     for e in np.unique(pos // n_seq):
         sel = pos // n_seq == e
-        out[sel] = _epoch_perm(n_seq, seed, int(e))[pos[sel] % n_seq]
+        out[sel] = permute(pos[sel] % n_seq, n_seq, seed, int(e))
     return out
 
 

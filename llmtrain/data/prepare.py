@@ -1,36 +1,72 @@
-"""Tokenize once into sharded binary token files (memory-mapped, with an index), cached by content.
+"""Tokenize once into memory-mapped token shards with an index, cached by content; in parallel,
+streaming, resumable, with one writer per shared cache.
 
-Layout of a prepared directory:
+Layout of a prepared directory (`<cache>/data/<fingerprint>/`):
   tokenizer.json           the tokenizer used
-  index.json               dtype, eos id, vocab size, per split: shards and token counts
-  train_00000.bin ...      flat token streams: each document followed by EOS
+  index.json               dtype, eos id, vocab size, per split: shards and token counts, the
+                           number of bad records skipped (and the first few, with the reason)
+  train_00000.bin ...      flat uint16/uint32 token streams: each document followed by EOS
   val_00000.bin ...
 
-Only one process per machine prepares (LOCAL_RANK 0); the others wait for the finished
-directory, which appears atomically (written under a temporary name, then renamed).
+How it runs. One process reads the sources in a fixed order and cuts the items into chunks of
+~data.chunk_bytes; `data.num_proc` worker processes parse and encode chunks (a bounded number in
+flight, so memory stays flat whatever the corpus size); the reader appends each chunk's tokens
+in order to the open shard of its split, and starts a new shard once one holds
+data.shard_tokens. Shard boundaries therefore fall on chunk boundaries and the output bytes do
+not depend on num_proc or on interruptions.
+
+Resumable: the work goes to `<fingerprint>.partial/`, and after every chunk `progress.json`
+records how many chunks are done and every shard's length. A rerun truncates the open shards to
+those lengths, skips the chunks already done (reading them again, without encoding), and goes
+on; the result is byte-identical to an uninterrupted run.
+
+One writer: `<fingerprint>.lock` is created exclusively (O_EXCL) and names its owner (host, pid);
+the owner refreshes it every few seconds. Any other process — another rank, another node on a
+shared filesystem — waits for `index.json`, logging progress, with no deadline. A lock whose owner
+is dead (same host) or that has not been refreshed for LOCK_STALE_S by the waiter's own clock
+is taken over (renamed away first, so two waiters cannot both take it), and the new owner
+resumes the partial work. Only the owner renames `.partial` to the final name.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import logging
+import multiprocessing as mp
 import os
 import shutil
+import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from llmtrain.data.corpus import (
-    BUILTIN_STDLIB,
     DataError,
+    Item,
     is_validation,
     iter_documents,
-    stdlib_files,
+    iter_items,
+    parse_item,
+    parse_sources,
+    source_files,
 )
 from llmtrain.data.tokenizer import check_fits, eos_id, load_tokenizer, train_bpe
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+LOCK_STALE_S = 300.0  # a lock not refreshed for this long (waiter's clock) has a dead owner
+HEARTBEAT_S = 10.0
+WAIT_LOG_S = 60.0
+# fields that do not change the prepared bytes (so they do not change the cache key)
+_NOT_IN_KEY = ("cache_dir", "doc_mask", "num_proc", "max_bad_records", "streaming")
 
 
 def default_cache_root() -> Path:
@@ -38,16 +74,17 @@ def default_cache_root() -> Path:
 
 
 def _fingerprint(data_cfg, vocab_size: int) -> str:
+    cfg = {k: v for k, v in asdict(data_cfg).items() if k not in _NOT_IN_KEY}
     h = hashlib.sha256(
-        json.dumps({**asdict(data_cfg), "vocab": vocab_size, "v": 1}, sort_keys=True).encode()
+        json.dumps({**cfg, "vocab": vocab_size, "v": FORMAT_VERSION}, sort_keys=True).encode()
     )
-    for src in data_cfg.sources:
-        files = []
-        if src == BUILTIN_STDLIB:
-            files = stdlib_files()
-        elif not src.startswith("hf:") and Path(src).exists():
-            p = Path(src)
-            files = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
+    for src in parse_sources(data_cfg.sources):
+        if src.spec.startswith("hf:"):
+            continue
+        try:
+            files = source_files(src.spec)
+        except DataError:
+            files = []  # reported when the data is read
         for f in files:
             st = f.stat()
             h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
@@ -59,70 +96,291 @@ def _fingerprint(data_cfg, vocab_size: int) -> str:
     return h.hexdigest()[:16]
 
 
-class _ShardWriter:
-    def __init__(self, out: Path, split: str, dtype, shard_tokens: int):
-        self.out, self.split, self.dtype, self.limit = out, split, dtype, shard_tokens
-        self.buf: list[np.ndarray] = []
-        self.n_buf = 0
-        self.shards: list[dict] = []
-        self.docs = 0
+def prepared_dir(data_cfg, vocab_size: int, cache_root: Path | None = None) -> Path:
+    """Where `data_cfg` is (or will be) prepared."""
+    root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else (cache_root or default_cache_root())
+    return root / "data" / _fingerprint(data_cfg, vocab_size)
 
-    def add(self, ids: list[int]) -> None:
-        self.buf.append(np.asarray(ids, dtype=self.dtype))
-        self.n_buf += len(ids)
-        self.docs += 1
-        if self.n_buf >= self.limit:
-            self.flush()
 
-    def flush(self) -> None:
-        if not self.n_buf:
+# ---------------------------------------------------------------- the lock
+
+
+class CacheLock:
+    """An exclusive lock file next to the prepared directory, naming its owner."""
+
+    def __init__(self, final: Path):
+        self.path = final.with_name(final.name + ".lock")
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: tuple | None = None  # (content, mtime) when last seen changing
+        self._seen_at = 0.0
+
+    def try_acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.me, fh)
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="llmtrain-lock")
+        self._thread.start()
+        return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.owner() == self.me:
+                self.path.unlink(missing_ok=True)
+
+    def owner(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def owner_text(self) -> str:
+        o = self.owner() or {}
+        return f"{o.get('host', '?')} pid {o.get('pid', '?')}"
+
+    def stale(self) -> bool:
+        """The owner is gone: a dead pid on this host, or no refresh for LOCK_STALE_S."""
+        try:
+            st = self.path.stat()
+            content = self.path.read_text()
+        except OSError:
+            return False  # gone: not stale, just free
+        try:
+            o = json.loads(content)
+        except ValueError:
+            o = {}
+        if o.get("host") == socket.gethostname() and isinstance(o.get("pid"), int):
+            try:
+                os.kill(o["pid"], 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
+        now = time.monotonic()
+        if self._seen != (content, st.st_mtime):
+            self._seen, self._seen_at = (content, st.st_mtime), now
+            return False
+        return now - self._seen_at > LOCK_STALE_S
+
+    def break_stale(self) -> None:
+        """Move a stale lock aside (atomic: of two waiters only one succeeds), then drop it."""
+        aside = self.path.with_name(f"{self.path.name}.stale-{socket.gethostname()}-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
             return
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        np.concatenate(self.buf).tofile(self.out / name)
-        self.shards.append({"file": name, "tokens": self.n_buf})
-        self.buf, self.n_buf = [], 0
+        logger.warning("took over the stale data-preparation lock %s", self.path)
+        aside.unlink(missing_ok=True)
+
+
+def _progress_text(final: Path) -> str:
+    try:
+        p = json.loads((final.with_name(final.name + ".partial") / "progress.json").read_text())
+        toks = sum(s["open"] + sum(x["tokens"] for x in s["shards"]) for s in p["splits"].values())
+        return f"{p['chars'] / 1e6:.1f} MB read, {toks / 1e6:.1f}M tokens written so far"
+    except (OSError, ValueError, KeyError):
+        return "starting"
+
+
+def _wait(final: Path, lock: CacheLock | None, poll: float = 1.0) -> bool:
+    """Wait (no deadline) until `final` is complete: True. With a lock to watch, return False
+    as soon as it is free or stale, so the caller can take over."""
+    t_log = time.monotonic()
+    while not (final / "index.json").is_file():
+        if lock is not None:
+            if not lock.path.exists():
+                return False
+            if lock.stale():
+                lock.break_stale()
+                return False
+        if time.monotonic() - t_log > WAIT_LOG_S:
+            t_log = time.monotonic()
+            who = lock.owner_text() if lock else "local rank 0"
+            logger.warning(
+                "waiting for %s to prepare %s (%s); to keep this out of a training job, run "
+                "`llmtrain data prepare CONFIG` as its own step",
+                who,
+                final,
+                _progress_text(final),
+            )
+        time.sleep(poll)
+    return True
 
 
 def prepare_data(
     data_cfg, vocab_size: int, cache_root: Path | None = None, local_rank: int = 0
 ) -> Path:
-    """Return the prepared directory for `data_cfg`, building it on first use."""
-    root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else (cache_root or default_cache_root())
-    final = root / "data" / _fingerprint(data_cfg, vocab_size)
+    """Return the prepared directory for `data_cfg`, building it on first use. Local rank 0 of
+    every node may build (one wins the lock); other ranks wait for the result."""
+    final = prepared_dir(data_cfg, vocab_size, cache_root)
     if (final / "index.json").is_file():
         return final
     if local_rank != 0:
-        deadline = time.time() + 3600
-        while not (final / "index.json").is_file():
-            if time.time() > deadline:
-                raise DataError(f"timed out waiting for local rank 0 to prepare {final}")
-            time.sleep(1.0)
+        _wait(final, None)
         return final
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    lock = CacheLock(final)
+    while not lock.try_acquire():
+        logger.info("%s is being prepared by %s; waiting", final, lock.owner_text())
+        if _wait(final, lock):
+            return final
     try:
-        _build(data_cfg, vocab_size, tmp)
-        if final.exists():  # another machine's process sharing the disk won the race
-            shutil.rmtree(tmp)
+        if (final / "index.json").is_file():  # finished while we waited for the lock
+            return final
+        part = final.with_name(final.name + ".partial")
+        how = "resuming" if (part / "progress.json").is_file() else "preparing"
+        logger.info("%s data into %s (not in the cache yet; `llmtrain data prepare CONFIG` does "
+                    "this as its own step)", how, final)  # fmt: skip
+        _build(data_cfg, vocab_size, part)
+        if final.exists():  # left by an owner whose lock was wrongly broken: keep the first
+            shutil.rmtree(part)
         else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            os.rename(part, final)
+    finally:
+        lock.release()
+    logger.info("data ready in %s", final)
     return final
 
 
-def _build(data_cfg, vocab_size: int, out: Path) -> None:
-    def docs():
-        return iter_documents(data_cfg.sources, data_cfg.text_field, data_cfg.streaming)
+# ---------------------------------------------------------------- reading and encoding
 
+
+def _chunks(data_cfg) -> Iterator[list[Item]]:
+    """Items cut into chunks of ~chunk_bytes, deterministically; stops after max_bytes."""
+    chunk: list[Item] = []
+    size = total = 0
+    for item in iter_items(parse_sources(data_cfg.sources), data_cfg.text_field):
+        p = item[2]
+        n = len(p) if isinstance(p, (str, bytes)) else 0
+        chunk.append(item)
+        size += n
+        total += n
+        if size >= data_cfg.chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+        if data_cfg.max_bytes and total >= data_cfg.max_bytes:
+            break
+    if chunk:
+        yield chunk
+
+
+_W: dict = {}
+
+
+def _init_worker(tok_file: str, text_field: str, val_percent: float, dtype: str) -> None:
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    tok = Tokenizer.from_file(tok_file)
+    _W.update(tok=tok, eos=eos_id(tok), tf=text_field, val=val_percent, dtype=np.dtype(dtype))
+
+
+def _encode_chunk(items: list[Item]) -> dict:
+    """Parse and encode one chunk: the token stream of each split, docs, bad records."""
+    tok, eos, dtype = _W["tok"], _W["eos"], _W["dtype"]
+    texts, meta, bad, chars = [], [], [], 0
+    for item in items:
+        text, why = parse_item(item, _W["tf"])
+        if why is not None:
+            bad.append(why)
+            continue
+        if text is None:
+            continue
+        chars += len(text)
+        texts.append(text)
+        meta.append((is_validation(item[0], _W["val"]), item[3]))
+    encs = tok.encode_batch(texts, add_special_tokens=False) if texts else []
+    parts: dict[bool, list] = {False: [], True: []}
+    docs = {False: 0, True: 0}
+    eos_arr = np.array([eos], dtype=dtype)
+    for (val, end), enc in zip(meta, encs):
+        parts[val].append(np.asarray(enc.ids, dtype=dtype))
+        if end:
+            parts[val].append(eos_arr)
+            docs[val] += 1
+    out = {"bad": bad, "chars": chars}
+    for val, split in ((False, "train"), (True, "val")):
+        out[split] = np.concatenate(parts[val]) if parts[val] else np.empty(0, dtype)
+        out[split + "_docs"] = docs[val]
+    return out
+
+
+class _SplitWriter:
+    """Appends a split's tokens to its open shard; closes it at shard_tokens (chunk-aligned)."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, limit: int, state: dict | None):
+        self.out, self.split, self.dtype, self.limit = out, split, dtype, limit
+        state = state or {"shards": [], "docs": 0, "open": 0}
+        self.shards, self.docs, self.open = list(state["shards"]), state["docs"], state["open"]
+        self.fh = None
+        if self.open:  # resume: drop whatever was written after the last progress record
+            with open(self.out / self._name(), "r+b") as fh:
+                fh.truncate(self.open * self.dtype.itemsize)
+
+    def _name(self) -> str:
+        return f"{self.split}_{len(self.shards):05d}.bin"
+
+    def files(self) -> set[str]:
+        return {s["file"] for s in self.shards} | ({self._name()} if self.open else set())
+
+    def append(self, arr: np.ndarray, docs: int) -> None:
+        self.docs += docs
+        if arr.size:
+            if self.fh is None:
+                self.fh = open(self.out / self._name(), "ab")
+            arr.tofile(self.fh)
+            self.open += arr.size
+        if self.open >= self.limit:
+            self.close_shard()
+
+    def close_shard(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        if self.open:
+            self.shards.append({"file": self._name(), "tokens": self.open})
+            self.open = 0
+
+    def flush(self) -> None:
+        if self.fh is not None:
+            self.fh.flush()
+
+    def state(self) -> dict:
+        return {"shards": self.shards, "docs": self.docs, "open": self.open}
+
+
+def _num_proc(data_cfg) -> int:
+    n = data_cfg.num_proc or len(os.sched_getaffinity(0))
+    return max(1, n)
+
+
+def _tokenizer(data_cfg, vocab_size: int, out: Path):
+    """The saved tokenizer of a partial run, the user's, or a BPE trained on the train split."""
+    from tokenizers import Tokenizer
+
+    saved = out / "tokenizer.json"
+    if saved.is_file():
+        return Tokenizer.from_file(str(saved))
     if data_cfg.tokenizer in ("", "train"):
         budget = data_cfg.tokenizer_train_bytes
 
         def sample():
             seen = 0
-            for key, text in docs():
+            for key, text in iter_documents(data_cfg.sources, data_cfg.text_field, bad=[]):
                 if is_validation(key, data_cfg.val_percent):
                     continue
                 yield text
@@ -134,45 +392,131 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
     else:
         tok = load_tokenizer(data_cfg.tokenizer)
     check_fits(tok, vocab_size)
+    tmp = out / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    os.replace(tmp, saved)
+    return tok
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _build(data_cfg, vocab_size: int, out: Path) -> None:
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(data_cfg, vocab_size, out)
+    check_fits(tok, vocab_size)
     eos = eos_id(tok)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.uint16 if n_vocab <= 65536 else np.uint32
-    tok.save(str(out / "tokenizer.json"))
-    writers = {s: _ShardWriter(out, s, dtype, data_cfg.shard_tokens) for s in ("train", "val")}
-    n_bytes = 0
-    batch: list[tuple[str, str]] = []
+    dtype = np.dtype(np.uint16 if n_vocab <= 65536 else np.uint32)
+    progress_file = out / "progress.json"
+    prog = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
+    writers = {
+        s: _SplitWriter(out, s, dtype, data_cfg.shard_tokens, prog.get("splits", {}).get(s))
+        for s in ("train", "val")
+    }
+    keep = {"tokenizer.json", "progress.json"} | set().union(*(w.files() for w in writers.values()))
+    for f in out.iterdir():  # shards begun after the last progress record
+        if f.name not in keep:
+            f.unlink()
+    done, chars = prog.get("chunks", 0), prog.get("chars", 0)
+    bad_n, bad_first = prog.get("bad", 0), list(prog.get("bad_examples", []))
+    args = (str(out / "tokenizer.json"), data_cfg.text_field, data_cfg.val_percent, dtype.name)
+    nproc = _num_proc(data_cfg)
+    fault_chunk = int(os.environ.get("LLMTRAIN_FAULT_KILL_AT_CHUNK", "0"))
+    bar = tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=None, initial=chars)
 
-    def flush_batch():
-        encs = tok.encode_batch([t for _, t in batch], add_special_tokens=False)
-        for (key, _), enc in zip(batch, encs):
-            split = "val" if is_validation(key, data_cfg.val_percent) else "train"
-            writers[split].add(enc.ids + [eos])
-        batch.clear()
+    def consume(res: dict, k: int) -> None:
+        nonlocal chars, bad_n
+        for s in ("train", "val"):
+            writers[s].append(res[s], res[s + "_docs"])
+            writers[s].flush()
+        if k == fault_chunk:  # tests: die between writing tokens and recording them
+            os.kill(os.getpid(), signal.SIGKILL)
+        chars += res["chars"]
+        bar.update(res["chars"])
+        if res["bad"]:
+            for why in res["bad"][: max(0, 5 - len(bad_first))]:
+                logger.warning("skipped a bad record: %s", why)
+            bad_first.extend(res["bad"][: max(0, 5 - len(bad_first))])
+            bad_n += len(res["bad"])
+            if bad_n > data_cfg.max_bad_records:
+                raise DataError(
+                    f"{bad_n} bad records, more than data.max_bad_records="
+                    f"{data_cfg.max_bad_records}; the first: {bad_first[0]}; the last: "
+                    f"{res['bad'][-1]}. Fix the data or raise data.max_bad_records"
+                )
+        _write_json(progress_file, {"chunks": k, "chars": chars, "bad": bad_n,
+                                    "bad_examples": bad_first,
+                                    "splits": {s: w.state() for s, w in writers.items()}})  # fmt: skip
 
-    bar = tqdm(desc="tokenizing", unit="B", unit_scale=True, disable=None)
-    for key, text in docs():
-        batch.append((key, text))
-        n_bytes += len(text)
-        bar.update(len(text))
-        if len(batch) >= 256:
-            flush_batch()
-        if data_cfg.max_bytes and n_bytes >= data_cfg.max_bytes:
+    chunks = _chunks(data_cfg)
+    for _ in range(done):  # already encoded and written: read past them
+        if next(chunks, None) is None:
             break
-    if batch:
-        flush_batch()
+    k = done
+    if nproc == 1:
+        _init_worker(*args)
+        for chunk in chunks:
+            k += 1
+            consume(_encode_chunk(chunk), k)
+    else:
+        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (torch, rayon)
+        with ctx.Pool(nproc, initializer=_init_worker, initargs=args) as pool:
+            inflight: collections.deque = collections.deque()
+            for chunk in chunks:
+                inflight.append(pool.apply_async(_encode_chunk, (chunk,)))
+                if len(inflight) >= 2 * nproc:  # bounded: memory stays flat
+                    k += 1
+                    consume(inflight.popleft().get(), k)
+            while inflight:
+                k += 1
+                consume(inflight.popleft().get(), k)
     bar.close()
     for w in writers.values():
-        w.flush()
+        w.close_shard()
     if not writers["train"].shards:
-        raise DataError(f"no training text found in data.sources={data_cfg.sources}")
+        why = f"; {bad_n} bad record(s) skipped, the first: {bad_first[0]}" if bad_n else ""
+        raise DataError(f"no training text found in data.sources={data_cfg.sources}{why}")
     if not writers["val"].shards:
         raise DataError("the validation split is empty: raise data.val_percent or add documents")
+    if bad_n:
+        logger.warning("skipped %d bad record(s) (data.max_bad_records=%d); first: %s", bad_n,
+                       data_cfg.max_bad_records, bad_first[0])  # fmt: skip
     index = {
-        "dtype": np.dtype(dtype).name,
+        "format": FORMAT_VERSION,
+        "dtype": dtype.name,
         "eos_id": eos,
         "vocab_size": n_vocab,
         "sources": data_cfg.sources,
-        "bytes": n_bytes,
-        "splits": {s: {"shards": w.shards, "docs": w.docs} for s, w in writers.items()},
+        "bytes": chars,
+        "chunks": k,
+        "bad_records": bad_n,
+        "bad_examples": bad_first,
+        "splits": {
+            s: {
+                "shards": w.shards,
+                "docs": w.docs,
+                "tokens": int(sum(x["tokens"] for x in w.shards)),
+            }
+            for s, w in writers.items()
+        },
     }
-    (out / "index.json").write_text(json.dumps(index, indent=1))
+    _write_json(out / "index.json", index)
+    progress_file.unlink()
+
+
+def describe(final: Path) -> str:
+    """One line about a prepared directory, for `llmtrain data prepare`."""
+    idx = json.loads((final / "index.json").read_text())
+    sp = idx["splits"]
+    return (
+        f"{final}: {sp['train']['tokens']:,} train / {sp['val']['tokens']:,} val tokens "
+        f"({idx['dtype']}, {len(sp['train']['shards'])} + {len(sp['val']['shards'])} shards), "
+        f"{sp['train']['docs'] + sp['val']['docs']:,} documents, "
+        f"{idx['bad_records']} bad record(s) skipped"
+    )

@@ -28,6 +28,7 @@ from llmtrain.model import build_model, generate
 from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import checkpoint as ckpt
+from llmtrain.train.evals import periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
 
@@ -251,7 +252,9 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             record["val_loss"] = evaluate(
                 engine, val_ds, layout, rank, world, device, t.eval_batches, eos, cfg.data.doc_mask
             )
-        if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record:
+        evals = periodic_evals(cfg, engine, model, done, rank, tokenizer_file)  # {} unless due
+        record.update(evals)
+        if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals:
             metrics.log(record, model, time.perf_counter() - t0, layout.tokens_per_step, step_loads)
         else:
             metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
