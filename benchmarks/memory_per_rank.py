@@ -7,6 +7,14 @@ rank processes are measured from outside: a sampler reads VmRSS of every rank pr
 the last step; saving is not training), and VmHWM (the kernel's peak) at the end. The prediction
 is `memory_per_rank` for the same layout, micro-batch and sequence length.
 
+Notes (2026-11-30, torch 2.13.0+cpu, deepspeed 0.19.8, 2-core machine), the provenance of
+llmtrain.accounting.RUNTIME_BYTES["cpu"]: a trainer process instrumented at Engine.__init__ had
+RSS 987 MiB before deepspeed.initialize at 1 rank with 627 MiB of fp32 weights built (360 MiB
+left), 699 MiB on each of 2 ranks with 338 MiB of weights (361 MiB); `import torch, deepspeed`
+plus a gloo group alone is 262 MiB, the rest is the trainer's imports, data and DeepSpeed's CPU
+comm op. On CPU freed activations stay in glibc's heap (allocations below its mmap threshold),
+so they are still resident when the optimizer step peaks: the prediction adds them.
+
     flock /tmp/llmtrain-heavy.lock .venv/bin/python benchmarks/memory_per_rank.py
     ... --layouts 1:2:1 2:2:2 4:2:4 2:1:1 2:3:1 --steps 3     # world:zero:ep
 """
@@ -142,7 +150,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="extra a.b=c overrides for every run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_per_rank.json"))
+    ap.add_argument("--replay", metavar="JSON",
+                    help="re-predict the layouts of an earlier run, keeping its measurements")  # fmt: skip
     args = ap.parse_args()
+    old = {}
+    if args.replay:
+        prev = json.loads(Path(args.replay).read_text())
+        old = {f"{r['world_size']}:{r['zero_stage']}:{r['ep_size']}": r for r in prev["rows"]}
+        args.layouts, args.steps = list(old), prev["steps"]
 
     from llmtrain.accounting import memory_per_rank
     from llmtrain.config import load_config
@@ -160,7 +175,11 @@ def main() -> None:
             seq_len=t.seq_len, activation_checkpointing=t.activation_checkpointing,
             offload_optimizer=t.offload_optimizer, device="cpu",
         )  # fmt: skip
-        m = measure(world, zero, ep, args.steps, args.overrides)
+        if spec in old:
+            m = {"train_peak": old[spec]["measured_train_peak_per_rank"],
+                 "hwm": old[spec]["vmhwm_per_rank"], "wall_s": old[spec]["wall_s"]}  # fmt: skip
+        else:
+            m = measure(world, zero, ep, args.steps, args.overrides)
         meas = max(m["train_peak"].values())
         rows.append({
             "layout": f"W={world} ZeRO-{zero} EP={ep}", "world_size": world, "zero_stage": zero,

@@ -429,13 +429,20 @@ def memory_per_rank(
         out["weights"] = w * held
         out["master_weights"] = 4 * s.part
         out["optimizer"] = 8 * s.part
-        out["gradients"] = w * s.part + (w * held if zero_stage == 1 else 0.0)
-        # the reduce bucket holds this backward's gradients; reducing it flattens each
-        # destination rank's slice (allreduce_no_retain -> allreduce_bucket), at most one
-        # group's partition at a time. The step's flatten of one group's averaged partition
-        # comes after the bucket is released and is no larger.
         bucket = min(held, DS_REDUCE_BUCKET)
-        out["deepspeed_buffers"] = w * (bucket + min(s.largest_group_part, bucket))
+        flat = min(s.largest_group_part, bucket)
+        if zero_stage == 1:
+            # full gradients accumulate in param.grad; the boundary backward moves them into the
+            # reduce bucket, whose slices become the averaged gradients (views) until the step;
+            # the reduce flattens one destination rank's slice at a time
+            out["gradients"] = w * held
+            out["deepspeed_buffers"] = w * flat
+        else:
+            # every backward fills the bucket (min(held, reduce_bucket_size)) and reduces it into
+            # the rank's gradient partition (grads_in_partition), flattening one destination
+            # rank's slice at a time (allreduce_no_retain -> allreduce_bucket)
+            out["gradients"] = w * s.part
+            out["deepspeed_buffers"] = w * (bucket + flat)
     else:
         live = held if 2 * held <= DS_MAX_REUSE else DS_MAX_REUSE / 2 + DS_PREFETCH_BUCKET
         live = min(live, DS_MAX_LIVE, held)

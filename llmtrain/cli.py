@@ -14,7 +14,7 @@ from llmtrain.config import ConfigError, ModelConfig, load_config
 
 
 def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, Any]:
-    """Our YAML (with overrides) or a Hugging Face config.json; returns (model, train or None)."""
+    """Our YAML (with overrides) or a Hugging Face config.json; returns (model, config or None)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -25,7 +25,7 @@ def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, An
             raise ConfigError(f"{p} does not exist")
         return model_config_from_hf(json.loads(p.read_text())), None
     cfg = load_config(p, overrides)
-    return cfg.model, cfg.train
+    return cfg.model, cfg
 
 
 def _fmt(n: float) -> str:
@@ -46,25 +46,26 @@ _MEMORY_ROWS = [
 ]
 
 
-def _memory_args(args: argparse.Namespace, train: Any, seq_len: int) -> dict[str, Any]:
-    """The memory inputs: flags first, then the YAML's train section, then defaults."""
+def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, Any]:
+    """The memory inputs: flags first, then the YAML's train/parallel sections, then defaults
+    (a config.json has none: bf16, micro-batch 1, ZeRO-1, EP 1, T = min(4096, max positions))."""
 
-    def pick(flag: Any, key: str, default: Any) -> Any:
+    def pick(flag: Any, section: str, key: str, default: Any) -> Any:
         if flag is not None:
             return flag
-        return getattr(train, key) if train is not None else default
+        return getattr(getattr(cfg, section), key) if cfg is not None else default
 
     return {
         "world_size": args.world_size,
-        "zero_stage": args.zero_stage,
-        "ep_size": args.ep_size,
-        "dtype": pick(args.dtype, "dtype", "bf16"),
-        "micro_batch": pick(args.micro_batch, "micro_batch_size", 1),
-        "seq_len": seq_len,
+        "zero_stage": pick(args.zero_stage, "parallel", "zero_stage", 1),
+        "ep_size": pick(args.ep_size, "parallel", "ep_size", 1),
+        "dtype": pick(args.dtype, "train", "dtype", "bf16"),
+        "micro_batch": pick(args.micro_batch, "train", "micro_batch_size", 1),
+        "seq_len": args.seq_len or (cfg.train.seq_len if cfg is not None else min(4096, seq_len)),
         "activation_checkpointing": pick(
-            args.activation_checkpointing, "activation_checkpointing", False
+            args.activation_checkpointing, "train", "activation_checkpointing", False
         ),
-        "offload_optimizer": pick(args.offload_optimizer, "offload_optimizer", False),
+        "offload_optimizer": pick(args.offload_optimizer, "train", "offload_optimizer", False),
         "device": args.device,
     }
 
@@ -72,12 +73,12 @@ def _memory_args(args: argparse.Namespace, train: Any, seq_len: int) -> dict[str
 def cmd_count(args: argparse.Namespace) -> int:
     from llmtrain.accounting import RUNTIME_PROVENANCE, count, memory_per_rank
 
-    model_cfg, train = _load_model_config(args.config, args.overrides)
-    seq_len = args.seq_len or (train.seq_len if train is not None else None)
+    model_cfg, cfg = _load_model_config(args.config, args.overrides)
+    seq_len = args.seq_len or (cfg.train.seq_len if cfg is not None else None)
     c = count(model_cfg, seq_len=seq_len, kv_dtype=args.kv_dtype)
     mem = inputs = None
     if args.world_size:
-        inputs = _memory_args(args, train, c.seq_len)
+        inputs = _memory_args(args, cfg, c.seq_len)
         try:
             mem = memory_per_rank(model_cfg, **inputs)
         except ValueError as e:
@@ -111,12 +112,12 @@ def cmd_count(args: argparse.Namespace) -> int:
     if mem and inputs:
         stage = int(mem["zero_stage"])
         ran = f"ZeRO-{stage}" + (
-            f" (ZeRO-{args.zero_stage} asked: one fp32 process runs stage 0)"
-            if stage != args.zero_stage
+            f" (ZeRO-{inputs['zero_stage']} asked: one fp32 process runs stage 0)"
+            if stage != inputs["zero_stage"]
             else ""
         )
         label = (
-            f"memory / rank (W={args.world_size}, {ran}, EP={args.ep_size}, {inputs['dtype']}, "
+            f"memory / rank (W={args.world_size}, {ran}, EP={inputs['ep_size']}, {inputs['dtype']}, "
             f"B={inputs['micro_batch']}, T={inputs['seq_len']}"
             + (", act. ckpt" if inputs["activation_checkpointing"] else "")
             + (", offload" if inputs["offload_optimizer"] else "")
@@ -228,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence length for attention FLOPs and activations (default: train.seq_len)")  # fmt: skip
     c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
     c.add_argument("--world-size", type=int, default=0, help="also predict memory per rank")
-    c.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
-    c.add_argument("--ep-size", type=int, default=1)
+    c.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="default: parallel.zero_stage, or 1")  # fmt: skip
+    c.add_argument("--ep-size", type=int, default=None, help="default: parallel.ep_size, or 1")
     c.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="training dtype (default: train.dtype, bf16 for a config.json)")  # fmt: skip
     c.add_argument("--micro-batch", type=int, default=None,
