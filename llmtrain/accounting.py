@@ -403,9 +403,9 @@ def memory_per_rank(
     the step, ZeRO-3 gathered live parameters). activations: the peak autograd keeps for one
     micro-batch of `seq_len` (0 when seq_len is None). runtime: the framework's own resident
     memory (RUNTIME_BYTES[device]). One fp32 process without offload runs DeepSpeed's stage 0,
-    as the engine does, whatever stage is asked (`zero_stage` in the result). With `offload_optimizer` master weights, moments and the
-    fp32 gradient partition live in host memory: on CUDA they move to `host_bytes`, on CPU they
-    stay in the total.
+    as the engine does, whatever stage is asked (`zero_stage` in the result). With
+    `offload_optimizer` master weights, moments and the fp32 gradient partition live in host
+    memory: on CUDA they move to `host_bytes`, on CPU they stay in the total.
     """
     if world_size < 1 or ep_size < 1 or world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
@@ -453,7 +453,12 @@ def memory_per_rank(
         out["master_weights"] = 4 * s.part
         out["optimizer"] = 8 * s.part
         out["gradients"] = w * s.part
-        out["deepspeed_buffers"] = w * live + w * min(held, DS_REDUCE_BUCKET)
+        # gathered parameters, the reduce bucket (allocated once, resident once touched), and
+        # reduce_scatter_coalesced's padded copy of the bucket (comm/coalesced_collectives.py
+        # torch.cat of the partitions). Not modelled: on CPU glibc keeps the freed per-parameter
+        # gather/gradient buffers in its heap, which grows over steps (see the benchmark notes)
+        bucket = min(held, DS_REDUCE_BUCKET)
+        out["deepspeed_buffers"] = w * (live + 2 * bucket)
     if seq_len:
         backend = attention_kernel(c, device, dtype)
         act = activation_bytes(c, micro_batch, seq_len, dtype, activation_checkpointing, backend)
@@ -478,8 +483,6 @@ def memory_per_rank(
     )
     out["total"] = out["model_states"] + out["activations"] + out["runtime"]
     out["host_bytes"] = host
-    out["zero_stage"] = float(
-        zero_stage
-    )  # the stage DeepSpeed runs (requested: zero_stage_requested)
+    out["zero_stage"] = float(zero_stage)  # the stage DeepSpeed runs
     out["zero_stage_requested"] = float(requested)
     return out
