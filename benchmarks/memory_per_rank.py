@@ -182,7 +182,7 @@ def main() -> None:
             m = measure(world, zero, ep, args.steps, args.overrides)
         meas = max(m["train_peak"].values())
         rows.append({
-            "layout": f"W={world} ZeRO-{zero} EP={ep}", "world_size": world, "zero_stage": zero,
+            "layout": f"W={world} ZeRO-{zero}{'' if int(pred['zero_stage']) == zero else '(0)'} EP={ep}", "world_size": world, "zero_stage": zero,
             "ep_size": ep, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
             "predicted_bytes": pred["total"], "predicted": pred,
             "measured_train_peak_bytes": meas,
