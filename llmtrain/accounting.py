@@ -332,17 +332,22 @@ def activation_bytes(
     d, h = c.hidden_size, c.num_heads
     e, vd, r, p = c.qk_head_dim, c.v_head_dim, c.kv_lora_rank, c.qk_rope_head_dim
 
-    def norm(width: int) -> float:  # x·rsqrt(mean x²) and the weighted output (+ fp32 upcast)
-        return n * width * (2 * a if a == 4 else 4 + 2 * a) + 4 * n
+    def norm(width: int) -> float:
+        """RMSNorm keeps its input (the fp32 upcast in half precision), x·rsqrt(mean x²) and
+        the weighted output that the next matmul saves."""
+        return n * width * (3 * a if a == 4 else 4 + 2 * a) + 4 * n
 
-    layer_in = n * d * a  # each layer's input (the residual stream), saved by its first norm
+    layer_in = n * d * a  # a layer's input: all checkpointing keeps
     attn = norm(d)
     if c.q_lora_rank is not None:
-        attn += n * c.q_lora_rank * a + norm(c.q_lora_rank)
-    attn += n * (r + p) * a + norm(r)  # latent + rope key, normalised latent
-    attn += 2 * n * h * e * a + n * h * vd * a  # q, k, v as the kernel keeps them
+        attn += norm(c.q_lora_rank)
+    attn += norm(r) + (n * p * a if a == 4 else 0)  # normalised latent (fp32: the rope key's
+    # columns share the latent's storage)
+    # q, k, v as the kernel keeps them; SDPA's math kernel (chosen on CPU) computes in fp32
+    ka = 4 if attn_backend == "math" else a
+    attn += 2 * n * h * e * ka + n * h * vd * ka
     if attn_backend in ("math", "reference"):  # softmax probabilities [B, H, T, T]
-        attn += micro_batch * h * seq_len * seq_len * a
+        attn += micro_batch * h * seq_len * seq_len * ka
         if attn_backend == "reference":  # fp32 scores before the cast
             attn += micro_batch * h * seq_len * seq_len * 4
     else:  # fused kernels: output and log-sum-exp; flash pads v (and out) to the qk head dim
@@ -351,7 +356,7 @@ def activation_bytes(
     attn += n * h * vd * a  # o_proj's input
 
     def ffn(moe: bool) -> float:
-        out = n * d * a + norm(d)  # residual after attention, post-attention norm
+        out = norm(d)  # post-attention norm (its input: the residual after attention)
         if not moe:
             return out + 4 * n * c.intermediate_size * a
         m = n * c.num_experts_per_tok
@@ -363,10 +368,10 @@ def activation_bytes(
         out += 4 * n * f * c.n_shared_experts * a
         return out
 
-    layers = [layer_in + attn + ffn(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    layers = [attn + ffn(c.is_moe_layer(i)) for i in range(c.num_layers)]
     v = c.vocab_size
     chunk = min(n, max(32, (1 << 22) // v))
-    head = layer_in + norm(d) + v * d * 4  # final norm (its output slot: grad_h), fp32 grad_w
+    head = norm(d) + v * d * 4  # final norm (its output slot: grad_h), fp32 grad_w
     head_transient = chunk * v * 4 * (2 if a == 4 else 3)
     mtp = c.mtp_depth * (layer_in * 3 + 2 * norm(d) + attn + ffn(True) + head)
     largest = max(layers) if layers else 0.0
