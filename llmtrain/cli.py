@@ -35,6 +35,10 @@ def _fmt(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
 _MEMORY_ROWS = [
     ("weights", "  parameters (as held, training dtype)"),
     ("master_weights", "  fp32 master copy (ZeRO partition)"),
@@ -123,12 +127,10 @@ def cmd_count(args: argparse.Namespace) -> int:
             + (", offload" if inputs["offload_optimizer"] else "")
             + f", {args.device})"
         )
-        rows.append((label, f"{mem['total'] / 2**30:.2f} GiB"))
-        rows += [(name, f"{mem[k] / 2**30:.2f} GiB") for k, name in _MEMORY_ROWS]
+        rows.append((label, _fmt_bytes(mem["total"])))
+        rows += [(name, _fmt_bytes(mem[k])) for k, name in _MEMORY_ROWS]
         if mem["host_bytes"] and args.device == "cuda":
-            rows.append(
-                ("  host memory (offloaded optimizer)", f"{mem['host_bytes'] / 2**30:.2f} GiB")
-            )
+            rows.append(("  host memory (offloaded optimizer)", _fmt_bytes(mem["host_bytes"])))
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
