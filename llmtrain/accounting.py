@@ -190,6 +190,9 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
 #   (stage 2: every micro-batch; stage 1: at the boundary, with full gradients in `param.grad`
 #   and the partition's in the accumulation buffer `all_grad_tensors` until then). Reducing
 #   flattens one destination rank's slice at a time; so does `step`, one group at a time.
+#   The updated weights are all-gathered in place into the flat buffer (runtime/utils.py
+#   all_gather_dp_groups takes all_gather_into_tensor when torch has it, so
+#   `allgather_bucket_size` allocates nothing here).
 # - stage 3 (runtime/zero/stage3.py): weights, master, moments and gradients per partition, plus
 #   parameters below `stage3_param_persistence_threshold` held whole, plus the gathered ("live")
 #   parameters: a parameter is not released while its next use lies within
@@ -202,7 +205,7 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
 # DeepSpeed 0.19.8 defaults (runtime/zero/config.py; runtime/engine.py), in elements
 DS_ALLREDUCE_BUCKET = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE (stage 0 gradient flatten)
 DS_REDUCE_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
-DS_ALLGATHER_BUCKET = 500_000_000  # zero_optimization.allgather_bucket_size
+DS_ALLGATHER_BUCKET = 500_000_000  # zero_optimization.allgather_bucket_size (unused: see above)
 DS_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size
 DS_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
 DS_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
