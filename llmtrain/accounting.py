@@ -172,36 +172,325 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
     )
 
 
+# ---------------------------------------------------------------- memory per rank
+#
+# What one rank holds while training, from the config alone. Model states follow DeepSpeed
+# 0.19.8 as our engine configures it (llmtrain/parallel/engine.py: a torch AdamW, default ZeRO
+# buckets, contiguous_gradients on, overlap_comm off below stage 3):
+#
+# - stage 0 (one fp32 process): weights, `param.grad` and AdamW's two moments for every
+#   parameter; at the accumulation boundary the engine flattens all gradients into one bucket
+#   of up to MEMORY_OPT_ALLREDUCE_SIZE elements before its all-reduce (runtime/engine.py
+#   `allreduce_bucket`), a second gradient-sized copy.
+# - stage 1/2 (runtime/zero/stage_1_and_2.py): every rank keeps all the weights it computes
+#   with in one flat buffer; the master copy of its partition is a clone (`weights_partition =
+#   ...clone()`, even in fp32) and the moments are per partition. Gradients are copied into a
+#   contiguous reduce bucket of `reduce_bucket_size` elements (5e8 by default, so below 500M
+#   local parameters it holds every local gradient) and reduced into the rank's partition
+#   (stage 2: every micro-batch; stage 1: at the boundary, with full gradients in `param.grad`
+#   and the partition's in the accumulation buffer `all_grad_tensors` until then). Reducing
+#   flattens one destination rank's slice at a time; so does `step`, one group at a time.
+#   The updated weights are all-gathered in place into the flat buffer (runtime/utils.py
+#   all_gather_dp_groups takes all_gather_into_tensor when torch has it, so
+#   `allgather_bucket_size` allocates nothing here).
+# - stage 3 (runtime/zero/stage3.py): weights, master, moments and gradients per partition, plus
+#   parameters below `stage3_param_persistence_threshold` held whole, plus the gathered ("live")
+#   parameters: a parameter is not released while its next use lies within
+#   `stage3_max_reuse_distance` elements of the trace (partitioned_param_coordinator.py
+#   `__params_to_release`), so a model whose forward+backward trace is shorter than that keeps
+#   every parameter gathered from its forward use to its backward use.
+# Non-expert parameters are partitioned over all W ranks, routed experts (E/P per rank) over the
+# W/P expert-data-parallel ranks.
+
+# DeepSpeed 0.19.8 defaults (runtime/zero/config.py; runtime/engine.py), in elements
+DS_ALLREDUCE_BUCKET = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE (stage 0 gradient flatten)
+DS_REDUCE_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size
+DS_ALLGATHER_BUCKET = 500_000_000  # zero_optimization.allgather_bucket_size (unused: see above)
+DS_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size
+DS_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
+DS_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
+DS_MAX_REUSE = 1_000_000_000  # stage3_max_reuse_distance
+
+# Resident memory of the framework itself, per rank (bytes), reported on its own line.
+# cpu: RSS of a trainer process just before DeepSpeed initialises, less the fp32 weights it has
+#   built by then: python + torch 2.13 + deepspeed 0.19.8 + tokenizers imported, gloo process
+#   group and DeepSpeed's CPU comm op loaded, data opened. Measured 2026-11-30 on the 2-core
+#   benchmark machine (configs/bench_moe_150m.yaml): 987 - 627 MiB at 1 rank, 699 - 338 MiB on
+#   each of 2 ranks (EP 2); RSS of bare `import torch, deepspeed` + gloo init is 262 MiB.
+# cuda: the CUDA context plus torch's kernels on the device, a typical figure for an H100-class
+#   GPU with lazy module loading; not measured here (no GPU in this session): see provenance.
+RUNTIME_BYTES = {"cpu": 361 * 2**20, "cuda": 600 * 2**20}
+RUNTIME_PROVENANCE = {
+    "cpu": "measured: trainer RSS before deepspeed.initialize minus its weights, 2026-11-30, "
+    "torch 2.13.0+cpu, deepspeed 0.19.8 (benchmarks/memory_per_rank.py notes)",
+    "cuda": "stated, not measured: CUDA context + loaded kernels of torch on an H100/H200 "
+    "(~0.5-0.7 GiB with CUDA_MODULE_LOADING=LAZY)",
+}
+# Host-side activations are allocated below glibc's mmap threshold and stay in the process heap
+# after backward frees them, so on CPU they add to the peak of the optimizer step (measured).
+
+
+@dataclass
+class ParamSplit:
+    """Parameters one rank computes with (`held`) and its ZeRO partition (`part`)."""
+
+    dense: float  # non-expert parameters (all ranks hold them)
+    experts_local: float  # routed-expert parameters of this rank's E/P experts
+    part: float  # this rank's ZeRO partition: dense / W + experts_local / (W / P)
+    largest_group_part: float  # biggest parameter group's partition (step flattens one at a time)
+    persistent: float  # ZeRO-3 parameters below the persistence threshold (held whole)
+
+    @property
+    def held(self) -> float:
+        return self.dense + self.experts_local
+
+
+def _param_split(c: ModelConfig, world_size: int, ep_size: int) -> ParamSplit:
+    n = count(c)
+    expert_one = 3 * c.hidden_size * c.moe_intermediate_size
+    mtp_experts = c.mtp_depth * c.n_routed_experts * expert_one if c.n_routed_experts else 0
+    experts = n.expert_params + mtp_experts
+    dense = n.total_params + n.mtp_params - experts
+    local = experts / ep_size
+    edp = world_size // ep_size
+    d = c.hidden_size
+    # parameter groups (engine.param_groups): matrices with decay, vectors without; with expert
+    # parallelism DeepSpeed splits each into its non-expert and expert part
+    vectors = sum(l.norms for l in n.layers) + d + c.kv_lora_rank * len(n.layers)
+    if c.q_lora_rank is not None:
+        vectors += c.q_lora_rank * len(n.layers)
+    vectors += 3 * d * c.mtp_depth
+    if ep_size > 1:
+        groups = [(dense - vectors) / world_size, vectors / world_size, local / edp]
+    else:
+        groups = [(dense - vectors + local) / world_size, vectors / world_size]
+    # ZeRO-3 keeps parameters of <= 1e5 elements whole: norms, routers, small projections
+    small = [s for s in _param_shapes(c) if s <= DS_PERSISTENCE_THRESHOLD]
+    return ParamSplit(
+        dense, local, dense / world_size + local / edp, max(groups), float(sum(small))
+    )
+
+
+def _param_shapes(c: ModelConfig) -> list[int]:
+    """Element counts of every non-expert parameter tensor (for ZeRO-3 persistence)."""
+    d, h = c.hidden_size, c.num_heads
+    one: list[int] = []
+    if c.q_lora_rank is None:
+        one.append(d * h * c.qk_head_dim)
+    else:
+        one += [d * c.q_lora_rank, c.q_lora_rank, c.q_lora_rank * h * c.qk_head_dim]
+    one += [d * (c.kv_lora_rank + c.qk_rope_head_dim), c.kv_lora_rank]
+    one += [c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim), h * c.v_head_dim * d, d, d]
+    out: list[int] = []
+    for i in range(c.num_layers + c.mtp_depth):
+        out += one
+        if c.is_moe_layer(i) or i >= c.num_layers:
+            out.append(c.n_routed_experts * d)
+            out += (
+                [d * c.moe_intermediate_size * c.n_shared_experts] * 3 if c.n_shared_experts else []
+            )
+        else:
+            out += [d * c.intermediate_size] * 3
+    out += [c.vocab_size * d, d] + ([] if c.tie_word_embeddings else [c.vocab_size * d])
+    out += [2 * d * d, d, d, d] * c.mtp_depth
+    return out
+
+
+def attention_kernel(c: ModelConfig, device: str, dtype: str) -> str:
+    """Which kernel runs training attention, as far as memory goes: "flash" (flash-attn, CUDA
+    half precision), "fused" (torch SDPA's flash / efficient kernels), "math" (SDPA's fallback,
+    which keeps the [T, T] probabilities: torch's CPU flash kernel needs equal q/k and v head
+    dims, MLA's differ) or "reference"."""
+    if c.attn_backend == "reference":
+        return "reference"
+    if device == "cuda":
+        return "flash" if dtype != "fp32" and c.attn_backend in ("auto", "flash") else "fused"
+    return "fused" if c.qk_head_dim == c.v_head_dim else "math"
+
+
+def activation_bytes(
+    c: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    activation_checkpointing: bool = False,
+    attn_backend: str = "math",
+) -> dict[str, float]:
+    """Peak bytes autograd keeps for one micro-batch of B sequences of T tokens.
+
+    Counted per layer from what each op saves for backward (llmtrain/model): RMSNorm saves its
+    normalised input and output (plus the fp32 upcast in bf16); MLA saves q, the latent, kv_b's
+    output, the concatenated q/k, the attention output and o_proj's input; the fused kernels
+    (sdpa, flash) save q, k, v, out and the log-sum-exp, the reference kernel the [T, T] scores.
+    MoE saves router logits and scores in fp32 and, over the M = B·T·top_k routed rows, the
+    gathered inputs, the [M, 2F] gate|up output, the SiLU product and the expert output; the
+    shared expert saves four [N, F_shared] tensors. The fused LM head keeps the hidden gradient
+    and the fp32 head-weight gradient, plus one [C, V] fp32 logits chunk while it runs.
+    Backward needs the gradients of one layer's activations beside what is still saved (one
+    layer's worth). With activation checkpointing only each layer's input is kept, and one layer
+    is recomputed at a time.
+    """
+    a = DTYPE_BYTES[dtype]
+    n = micro_batch * seq_len
+    d, h = c.hidden_size, c.num_heads
+    e, vd, r, p = c.qk_head_dim, c.v_head_dim, c.kv_lora_rank, c.qk_rope_head_dim
+
+    def norm(width: int) -> float:
+        """RMSNorm keeps its input (the fp32 upcast in half precision), x·rsqrt(mean x²) and
+        the weighted output that the next matmul saves."""
+        return n * width * (3 * a if a == 4 else 4 + 2 * a) + 4 * n
+
+    layer_in = n * d * a  # a layer's input: all checkpointing keeps
+    attn = norm(d)
+    if c.q_lora_rank is not None:
+        attn += norm(c.q_lora_rank)
+    attn += norm(r) + (n * p * a if a == 4 else 0)  # normalised latent (fp32: the rope key's
+    # columns share the latent's storage)
+    # q, k, v as the kernel keeps them; SDPA's math kernel (chosen on CPU) computes in fp32
+    ka = 4 if attn_backend == "math" else a
+    attn += 2 * n * h * e * ka + n * h * vd * ka
+    if attn_backend in ("math", "reference"):  # softmax probabilities [B, H, T, T]
+        attn += micro_batch * h * seq_len * seq_len * ka
+        if attn_backend == "reference":  # fp32 scores before the cast
+            attn += micro_batch * h * seq_len * seq_len * 4
+    else:  # fused kernels: output and log-sum-exp; flash pads v (and out) to the qk head dim
+        vk = e if attn_backend == "flash" else vd
+        attn += n * h * (2 * vk - vd) * a + n * h * vk * a + micro_batch * h * seq_len * 4
+    attn += n * h * vd * a  # o_proj's input
+
+    def ffn(moe: bool) -> float:
+        out = norm(d)  # post-attention norm (its input: the residual after attention)
+        if not moe:
+            return out + 4 * n * c.intermediate_size * a
+        m = n * c.num_experts_per_tok
+        f = c.moe_intermediate_size
+        out += n * c.n_routed_experts * 4 + 3 * n * c.num_experts_per_tok * 8  # scores, top-k
+        if a < 4:
+            out += n * d * 4  # router input upcast to fp32
+        out += m * (3 * d + 4 * f) * a  # routed rows: input, output (x2), gate|up, SiLU, product
+        out += 4 * n * f * c.n_shared_experts * a
+        return out
+
+    layers = [attn + ffn(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    v = c.vocab_size
+    chunk = min(n, max(32, (1 << 22) // v))
+    head = norm(d) + v * d * 4  # final norm (its output slot: grad_h), fp32 grad_w
+    head_transient = chunk * v * 4 * (2 if a == 4 else 3)
+    mtp = c.mtp_depth * (layer_in * 3 + 2 * norm(d) + attn + ffn(True) + head)
+    largest = max(layers) if layers else 0.0
+    if activation_checkpointing:
+        saved = c.num_layers * layer_in + head + mtp
+        recompute = largest
+    else:
+        saved = sum(layers) + head + mtp
+        recompute = 0.0
+    peak = saved + recompute + max(largest, head_transient)
+    return {"saved": saved, "recompute": recompute, "working": max(largest, head_transient),
+            "peak": peak}  # fmt: skip
+
+
 def memory_per_rank(
     c: ModelConfig,
     world_size: int,
     zero_stage: int,
     ep_size: int = 1,
     dtype: str = "bf16",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+    offload_optimizer: bool = False,
+    device: str = "cpu",
 ) -> dict[str, float]:
-    """Bytes of weights, gradients and AdamW state per rank (activations excluded).
+    """Predicted peak bytes per rank while training, broken down (the parts sum to `total`).
 
-    Mixed precision keeps an fp32 master copy plus two fp32 moments (12 bytes/param); fp32
-    training keeps the two moments (8 bytes/param). Dense parameters are partitioned over all
-    `world_size` ranks, routed experts over the `world_size / ep_size` ranks holding the same
-    experts, after dividing them by `ep_size`: ZeRO-1 splits optimizer state, ZeRO-2 also
-    gradients, ZeRO-3 also weights.
+    weights: the parameters a rank computes with, in the training dtype (ZeRO-3: its partition
+    plus the persistent small ones). master_weights: the fp32 copy of its ZeRO partition that
+    the optimizer updates. gradients: the gradients it keeps between micro-batches.
+    optimizer: AdamW's two fp32 moments. deepspeed_buffers: DeepSpeed's flat buffers at their
+    peak (reduce bucket, stage-0 all-reduce flatten, one group's flattened gradient partition at
+    the step, ZeRO-3 gathered live parameters). activations: the peak autograd keeps for one
+    micro-batch of `seq_len` (0 when seq_len is None). runtime: the framework's own resident
+    memory (RUNTIME_BYTES[device]). One fp32 process without offload runs DeepSpeed's stage 0,
+    as the engine does, whatever stage is asked (`zero_stage` in the result). With
+    `offload_optimizer` master weights, moments and the fp32 gradient partition live in host
+    memory: on CUDA they move to `host_bytes`, on CPU they stay in the total.
     """
-    if world_size % ep_size:
+    if world_size < 1 or ep_size < 1 or world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
-    n = count(c)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage}: use 0, 1, 2 or 3")
+    if device not in RUNTIME_BYTES:
+        raise ValueError(f"device={device!r}: use one of {sorted(RUNTIME_BYTES)}")
+    requested = zero_stage
+    if world_size == 1 and dtype == "fp32" and not offload_optimizer:
+        zero_stage = 0  # as the engine runs it (parallel/engine.py effective_zero_stage)
+    s = _param_split(c, world_size, ep_size)
     w = DTYPE_BYTES[dtype]
-    opt = 12 if dtype != "fp32" else 8
-    dense = n.total_params + n.mtp_params - n.expert_params
-    expert = n.expert_params / ep_size
-    edp = world_size // ep_size
-
-    def part(num: float, dp: int, stage_needed: int) -> float:
-        return num / dp if zero_stage >= stage_needed else num
-
-    weights = part(dense, world_size, 3) + part(expert, edp, 3)
-    grads = part(dense, world_size, 2) + part(expert, edp, 2)
-    optim = part(dense, world_size, 1) + part(expert, edp, 1)
-    out = {"weights": weights * w, "grads": grads * w, "optimizer": optim * opt}
-    out["total"] = sum(out.values())
+    held = s.held
+    out: dict[str, float] = {}
+    if zero_stage == 0:
+        out["weights"] = w * held
+        out["master_weights"] = 4 * held if w < 4 else 0.0
+        out["gradients"] = w * held + (4 * held if w < 4 else 0)  # bf16: fp32 accumulation too
+        out["optimizer"] = 8 * held
+        out["deepspeed_buffers"] = (4 if w < 4 else w) * min(held, DS_ALLREDUCE_BUCKET)
+    elif zero_stage in (1, 2):
+        out["weights"] = w * held
+        out["master_weights"] = 4 * s.part
+        out["optimizer"] = 8 * s.part
+        bucket = min(held, DS_REDUCE_BUCKET)
+        flat = min(s.largest_group_part, bucket)
+        if zero_stage == 1:
+            # the post-backward epilogue runs after every micro-batch: it keeps this rank's
+            # partition of the gradients in `all_grad_tensors` (the accumulation buffer) and
+            # drops param.grad, which the next backward fills again in full; at the boundary
+            # `reduce_gradients` copies every gradient into the reduce bucket and flattens one
+            # destination rank's slice at a time (measured: 2 ranks, EP 1, within 3%)
+            out["gradients"] = w * (held + s.part)
+            out["deepspeed_buffers"] = w * (bucket + flat)
+        else:
+            # every backward fills the bucket (min(held, reduce_bucket_size)) and reduces it into
+            # the rank's gradient partition (grads_in_partition), flattening one destination
+            # rank's slice at a time (allreduce_no_retain -> allreduce_bucket)
+            out["gradients"] = w * s.part
+            out["deepspeed_buffers"] = w * (bucket + flat)
+    else:
+        live = held if 2 * held <= DS_MAX_REUSE else DS_MAX_REUSE / 2 + DS_PREFETCH_BUCKET
+        live = min(live, DS_MAX_LIVE, held)
+        out["weights"] = w * (s.part + s.persistent)
+        out["master_weights"] = 4 * s.part
+        out["optimizer"] = 8 * s.part
+        out["gradients"] = w * s.part
+        # gathered parameters, the reduce bucket (allocated once, resident once touched), and
+        # reduce_scatter_coalesced's padded copy of the bucket (comm/coalesced_collectives.py
+        # torch.cat of the partitions). Not modelled: on CPU glibc keeps the freed per-parameter
+        # gather/gradient buffers in its heap, which grows over steps (see the benchmark notes)
+        bucket = min(held, DS_REDUCE_BUCKET)
+        out["deepspeed_buffers"] = w * (live + 2 * bucket)
+    if seq_len:
+        backend = attention_kernel(c, device, dtype)
+        act = activation_bytes(c, micro_batch, seq_len, dtype, activation_checkpointing, backend)
+        out["activations"] = act["peak"]
+    else:
+        out["activations"] = 0.0
+    out["runtime"] = float(RUNTIME_BYTES[device])
+    host = 0.0
+    if offload_optimizer and zero_stage > 0:
+        # ZeRO-Offload keeps an fp32 gradient partition and a training-dtype staging copy of
+        # the partition beside the master and moments in host memory (stage_1_and_2.py
+        # initialize_optimizer_states, param_buffer_of_bit16_for_cpu_offload_groups)
+        staging = 4 * s.part + w * s.part
+        if device == "cuda":
+            host = out["master_weights"] + out["optimizer"] + staging
+            out["master_weights"] = out["optimizer"] = 0.0
+        else:
+            out["gradients"] += 4 * s.part
+            out["deepspeed_buffers"] += w * s.part
+    out["model_states"] = sum(
+        out[k] for k in ("weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers")
+    )
+    out["total"] = out["model_states"] + out["activations"] + out["runtime"]
+    out["host_bytes"] = host
+    out["zero_stage"] = float(zero_stage)  # the stage DeepSpeed runs
+    out["zero_stage_requested"] = float(requested)
     return out

@@ -8,12 +8,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from llmtrain.config import ConfigError, ModelConfig, load_config
 
 
-def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, int | None]:
-    """Our YAML (with overrides) or a Hugging Face config.json; returns (model, train seq_len)."""
+def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, Any]:
+    """Our YAML (with overrides) or a Hugging Face config.json; returns (model, config or None)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -24,7 +25,7 @@ def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, in
             raise ConfigError(f"{p} does not exist")
         return model_config_from_hf(json.loads(p.read_text())), None
     cfg = load_config(p, overrides)
-    return cfg.model, cfg.train.seq_len
+    return cfg.model, cfg
 
 
 def _fmt(n: float) -> str:
@@ -34,18 +35,64 @@ def _fmt(n: float) -> str:
     return f"{n:.0f}"
 
 
-def cmd_count(args: argparse.Namespace) -> int:
-    from llmtrain.accounting import count, memory_per_rank
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
-    model_cfg, seq_len = _load_model_config(args.config, args.overrides)
-    c = count(model_cfg, seq_len=args.seq_len or seq_len, kv_dtype=args.kv_dtype)
-    mem = None
+
+_MEMORY_ROWS = [
+    ("weights", "  parameters (as held, training dtype)"),
+    ("master_weights", "  fp32 master copy (ZeRO partition)"),
+    ("gradients", "  gradients"),
+    ("optimizer", "  AdamW moments (fp32)"),
+    ("deepspeed_buffers", "  DeepSpeed buckets / live params"),
+    ("activations", "  activations (one micro-batch)"),
+    ("runtime", "  runtime (framework resident)"),
+]
+
+
+def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, Any]:
+    """The memory inputs: flags first, then the YAML's train/parallel sections, then defaults
+    (a config.json has none: bf16, micro-batch 1, ZeRO-1, EP 1, T = min(4096, max positions))."""
+
+    def pick(flag: Any, section: str, key: str, default: Any) -> Any:
+        if flag is not None:
+            return flag
+        return getattr(getattr(cfg, section), key) if cfg is not None else default
+
+    return {
+        "world_size": args.world_size,
+        "zero_stage": pick(args.zero_stage, "parallel", "zero_stage", 1),
+        "ep_size": pick(args.ep_size, "parallel", "ep_size", 1),
+        "dtype": pick(args.dtype, "train", "dtype", "bf16"),
+        "micro_batch": pick(args.micro_batch, "train", "micro_batch_size", 1),
+        "seq_len": args.seq_len or (cfg.train.seq_len if cfg is not None else min(4096, seq_len)),
+        "activation_checkpointing": pick(
+            args.activation_checkpointing, "train", "activation_checkpointing", False
+        ),
+        "offload_optimizer": pick(args.offload_optimizer, "train", "offload_optimizer", False),
+        "device": args.device,
+    }
+
+
+def cmd_count(args: argparse.Namespace) -> int:
+    from llmtrain.accounting import RUNTIME_PROVENANCE, count, memory_per_rank
+
+    model_cfg, cfg = _load_model_config(args.config, args.overrides)
+    seq_len = args.seq_len or (cfg.train.seq_len if cfg is not None else None)
+    c = count(model_cfg, seq_len=seq_len, kv_dtype=args.kv_dtype)
+    mem = inputs = None
     if args.world_size:
-        mem = memory_per_rank(model_cfg, args.world_size, args.zero_stage, args.ep_size, args.dtype)
+        inputs = _memory_args(args, cfg, c.seq_len)
+        try:
+            mem = memory_per_rank(model_cfg, **inputs)
+        except ValueError as e:
+            raise ConfigError(f"--world-size/--ep-size/--zero-stage: {e}") from None
     if args.json:
         out = c.to_dict()
         if mem:
             out["memory_per_rank_bytes"] = mem
+            out["memory_per_rank_inputs"] = inputs
+            out["memory_runtime_provenance"] = RUNTIME_PROVENANCE[args.device]
         print(json.dumps(out, indent=2))
         return 0
     rows = [
@@ -66,12 +113,29 @@ def cmd_count(args: argparse.Namespace) -> int:
         (f"KV cache / token ({args.kv_dtype}) MLA", f"{c.kv_cache_bytes_per_token:,} B"),
         ("KV cache / token, full MHA equivalent", f"{c.kv_cache_bytes_per_token_mha:,} B"),
     ]
-    if mem:
-        label = f"memory / rank (W={args.world_size}, ZeRO-{args.zero_stage}, EP={args.ep_size})"
-        rows.append((label, f"{mem['total'] / 2**30:.2f} GiB (no activations)"))
+    if mem and inputs:
+        stage = int(mem["zero_stage"])
+        ran = f"ZeRO-{stage}" + (
+            f" (ZeRO-{inputs['zero_stage']} asked: one fp32 process runs stage 0)"
+            if stage != inputs["zero_stage"]
+            else ""
+        )
+        label = (
+            f"memory / rank (W={args.world_size}, {ran}, EP={inputs['ep_size']}, {inputs['dtype']}, "
+            f"B={inputs['micro_batch']}, T={inputs['seq_len']}"
+            + (", act. ckpt" if inputs["activation_checkpointing"] else "")
+            + (", offload" if inputs["offload_optimizer"] else "")
+            + f", {args.device})"
+        )
+        rows.append((label, _fmt_bytes(mem["total"])))
+        rows += [(name, _fmt_bytes(mem[k])) for k, name in _MEMORY_ROWS]
+        if mem["host_bytes"] and args.device == "cuda":
+            rows.append(("  host memory (offloaded optimizer)", _fmt_bytes(mem["host_bytes"])))
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
+    if mem:
+        print(f"runtime: {RUNTIME_PROVENANCE[args.device]}")
     print("\nper layer:  idx kind   attention       mlp total      mlp active")
     for l in c.layers:
         print(
@@ -184,12 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", help="our YAML config, or a Hugging Face config.json / model dir")
     c.add_argument("overrides", nargs="*", help="a.b=c overrides (YAML configs only)")
     c.add_argument("--json", action="store_true")
-    c.add_argument("--seq-len", type=int, default=None, help="context for the attention FLOPs")
+    c.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length for attention FLOPs and activations (default: train.seq_len)")  # fmt: skip
     c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
-    c.add_argument("--world-size", type=int, default=0, help="also estimate memory per rank")
-    c.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
-    c.add_argument("--ep-size", type=int, default=1)
-    c.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    c.add_argument("--world-size", type=int, default=0, help="also predict memory per rank")
+    c.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="default: parallel.zero_stage, or 1")  # fmt: skip
+    c.add_argument("--ep-size", type=int, default=None, help="default: parallel.ep_size, or 1")
+    c.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="training dtype (default: train.dtype, bf16 for a config.json)")  # fmt: skip
+    c.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per rank per forward (default: train.micro_batch_size, or 1)")  # fmt: skip
+    c.add_argument("--activation-checkpointing", action="store_true", default=None)
+    c.add_argument("--offload-optimizer", action="store_true", default=None)
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="whose runtime overhead and attention kernel to assume")  # fmt: skip
     c.set_defaults(func=cmd_count)
 
     t = sub.add_parser("train", help="train (one process, or under the deepspeed launcher)")

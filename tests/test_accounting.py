@@ -73,7 +73,8 @@ def test_memory_per_rank_partitions():
     n = count(cfg).total_params
     assert z0["weights"] == n * 4 and z0["optimizer"] == n * 8
     assert z1["optimizer"] == pytest.approx(n * 8 / 4)
-    assert z3["total"] < z1["total"]
+    states = ("weights", "master_weights", "gradients", "optimizer")
+    assert sum(z3[k] for k in states) < sum(z1[k] for k in states)
     with pytest.raises(ValueError, match="ep_size"):
         memory_per_rank(cfg, 4, 1, 3)
 
@@ -84,3 +85,141 @@ def test_cli_count_table_and_errors(capsys, tmp_path):
     assert "active parameters" in out and "memory / rank" in out
     assert main(["count", str(ROOT / "configs" / "debug.yaml"), "model.num_heads=3"]) == 2
     assert "num_heads" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- memory per rank
+
+PARTS = ("weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers",
+         "activations", "runtime")  # fmt: skip
+
+
+def _debug_model_cfg():
+    return load_config(ROOT / "configs" / "debug.yaml").model
+
+
+def test_memory_breakdown_sums_to_total():
+    cfg = _debug_model_cfg()
+    for stage in (0, 1, 2, 3):
+        m = memory_per_rank(cfg, 4, stage, 2, "bf16", micro_batch=2, seq_len=128)
+        assert m["total"] == pytest.approx(sum(m[k] for k in PARTS))
+        assert m["model_states"] == pytest.approx(sum(m[k] for k in PARTS[:5]))
+        assert all(m[k] >= 0 for k in PARTS) and m["activations"] > 0 and m["runtime"] > 0
+
+
+def test_zero_stages_divide_what_they_should():
+    cfg = _debug_model_cfg()
+    w = 8
+    m = {z: memory_per_rank(cfg, w, z, 1, "bf16") for z in (0, 1, 2, 3)}
+    n = count(cfg).total_params
+    # stage 1 partitions the optimizer state (moments and master copy) over the W ranks
+    assert m[0]["optimizer"] == 8 * n and m[1]["optimizer"] == pytest.approx(8 * n / w)
+    assert m[0]["master_weights"] == 4 * n and m[1]["master_weights"] == pytest.approx(4 * n / w)
+    # stage 2 also the gradients, stage 3 also the weights
+    assert m[2]["gradients"] < m[1]["gradients"] and m[2]["gradients"] == pytest.approx(2 * n / w)
+    assert m[3]["weights"] < m[2]["weights"] == 2 * n
+    for z in (1, 2, 3):  # each stage holds no more model state than the one below
+        for k in ("optimizer", "master_weights", "gradients", "weights"):
+            assert m[z][k] <= m[z - 1][k] or (z == 1 and k == "gradients")
+    # ZeRO-3 pays for gathered parameters: on a model past stage3_max_reuse_distance it wins
+    v3 = load_config(ROOT / "configs" / "deepseek_v3.yaml").model
+    assert memory_per_rank(v3, 64, 3, 1)["total"] < memory_per_rank(v3, 64, 2, 1)["total"]
+
+
+def test_expert_parallelism_divides_expert_state():
+    cfg = _debug_model_cfg()
+    c = count(cfg)
+    dense, experts = c.total_params - c.expert_params, c.expert_params
+    for ep in (1, 2, 4, 8):
+        m = memory_per_rank(cfg, 8, 2, ep, "bf16")
+        # each rank computes with all dense weights and E/P experts ...
+        assert m["weights"] == pytest.approx(2 * (dense + experts / ep))
+        # ... and ZeRO splits expert state over the W/P ranks holding the same experts
+        assert m["optimizer"] == pytest.approx(8 * (dense / 8 + experts / ep / (8 // ep)))
+    with pytest.raises(ValueError, match="ep_size"):
+        memory_per_rank(cfg, 8, 2, 3)
+
+
+def test_activation_checkpointing_lowers_activations():
+    cfg = load_config(ROOT / "configs" / "bench_28m.yaml").model
+    full = memory_per_rank(cfg, 1, 1, 1, "bf16", micro_batch=4, seq_len=512)
+    ckpt = memory_per_rank(cfg, 1, 1, 1, "bf16", micro_batch=4, seq_len=512, activation_checkpointing=True)  # fmt: skip
+    assert ckpt["activations"] < full["activations"]
+    assert ckpt["weights"] == full["weights"] and ckpt["optimizer"] == full["optimizer"]
+    double = memory_per_rank(cfg, 1, 1, 1, "bf16", micro_batch=8, seq_len=512)
+    assert double["activations"] > 1.8 * full["activations"]  # linear in tokens (+ head grad)
+
+
+def test_cli_count_prints_and_json_carries_the_breakdown(capsys):
+    cfg = str(ROOT / "configs" / "debug.yaml")
+    args = ["count", cfg, "--world-size", "4", "--zero-stage", "2", "--ep-size", "2",
+            "--micro-batch", "2", "--seq-len", "64", "--dtype", "bf16"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for line in ("fp32 master copy", "AdamW moments", "activations", "runtime", "B=2, T=64"):
+        assert line in out
+    assert main([*args, "--activation-checkpointing", "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    mem = j["memory_per_rank_bytes"]
+    assert j["memory_per_rank_inputs"]["activation_checkpointing"] is True
+    ref = memory_per_rank(_debug_model_cfg(), 4, 2, 2, "bf16", micro_batch=2, seq_len=64,
+                          activation_checkpointing=True)  # fmt: skip
+    assert mem == pytest.approx(ref)
+    assert mem["total"] == pytest.approx(sum(mem[k] for k in PARTS))
+    assert "measured" in j["memory_runtime_provenance"]
+    assert main(["count", cfg, "--world-size", "4", "--ep-size", "3"]) == 2
+
+
+def test_predicted_model_states_equal_real_bytes_after_one_step():
+    """1 rank, fp32 (DeepSpeed stage 0): weights + gradients + AdamW moments, counted by hand."""
+    import torch
+
+    from llmtrain.model import build_model
+
+    cfg = _debug_model_cfg()
+    model = build_model(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    model(x, labels=x).loss.backward()
+    opt.step()
+    params = list(model.parameters())
+    real = {
+        "weights": sum(p.nbytes for p in params),
+        "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
+        "optimizer": sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step"),
+    }
+    pred = memory_per_rank(cfg, 1, 2, 1, "fp32")
+    assert pred["zero_stage"] == 0  # one fp32 process: the engine runs stage 0
+    assert {k: pred[k] for k in real} == real
+    assert pred["master_weights"] == 0
+
+
+def test_predicted_activations_match_what_autograd_saves():
+    """Bytes of the distinct storages autograd saves in one forward (CPU fp32: SDPA's math
+    kernel) against the prediction's `saved` term, with and without checkpointing."""
+    import torch
+
+    from llmtrain.accounting import activation_bytes, attention_kernel
+    from llmtrain.model import build_model
+
+    cfg = _debug_model_cfg()
+    model = build_model(cfg, seed=0)
+    b, t = 4, 128
+    x = torch.randint(0, cfg.vocab_size, (b, t))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for ckpt in (False, True):
+        seen: dict[int, int] = {}
+
+        def pack(tensor, seen=seen):
+            st = tensor.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return tensor
+
+        model.gradient_checkpointing = ckpt
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        kernel = attention_kernel(cfg, "cpu", "fp32")
+        pred = activation_bytes(cfg, b, t, "fp32", ckpt, kernel)
+        assert sum(seen.values()) == pytest.approx(pred["saved"], rel=0.1)
+        assert pred["peak"] > pred["saved"]
