@@ -37,7 +37,13 @@ class LocalDispatcher:
 
 
 class Router(nn.Module):
-    """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores."""
+    """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores.
+
+    Routing runs in fp32 whatever the training precision. DeepSpeed's bf16 mode casts every
+    parameter, this weight included (it keeps only buffers in fp32), so the engine hands the
+    router the fp32 master copy of its weight (`set_fp32_weight`): the forward then reads those
+    exact values and the gradient still flows to the (bf16) parameter the optimizer owns.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -46,16 +52,33 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
         # Persistent (HF checkpoints carry it); updated by the aux-loss-free rule, never by grads.
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        self.fp32_weight: torch.Tensor | None = None  # not a buffer: no cast, no state_dict
+
+    def set_fp32_weight(self, w_ED: torch.Tensor | None) -> None:
+        """Route with these fp32 values (the optimizer's master weight) while `weight` is not fp32."""
+        self.fp32_weight = (
+            None if w_ED is None else w_ED.detach().to(self.weight.device, torch.float32)
+        )
+
+    def routing_weight(self) -> torch.Tensor:
+        """The weight in fp32: the master copy when one was set, with the parameter's gradient."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        if self.fp32_weight is None or self.fp32_weight.shape != w.shape:
+            return w.float()
+        # value of the fp32 master, gradient of the parameter (straight through)
+        return self.fp32_weight + (w - w.detach()).float()
 
     def forward(self, x_TD: torch.Tensor):
         cfg = self.cfg
         x = x_TD.float() if x_TD.dtype.itemsize < 4 else x_TD  # routing in >= fp32
-        logits_TE = F.linear(x, self.weight.to(x.dtype))
+        logits_TE = F.linear(x, self.routing_weight().to(x.dtype))
         if cfg.scoring_func == "sigmoid":
             scores_TE = logits_TE.sigmoid()
         else:
             scores_TE = logits_TE.softmax(dim=-1)
-        choice_TE = scores_TE.detach() + self.e_score_correction_bias
+        choice_TE = scores_TE.detach() + self.e_score_correction_bias.float()
         if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
             t = choice_TE.shape[0]
             grouped_TGe = choice_TE.view(t, cfg.n_group, -1)
@@ -155,8 +178,11 @@ class MoE(nn.Module):
         )
         e = cfg.n_routed_experts
         # Token counts for metrics and the bias update: last forward, and summed since the update.
-        self.register_buffer("last_counts", torch.zeros(e), persistent=False)
-        self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
+        # fp32 explicitly: exact integer counts up to 2**24 per expert between bias updates.
+        self.register_buffer("last_counts", torch.zeros(e, dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "load_since_update", torch.zeros(e, dtype=torch.float32), persistent=False
+        )
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [B, T, D], auxiliary loss scalar: seq-wise balance + z-loss)."""
@@ -202,13 +228,29 @@ class MoE(nn.Module):
         f_BE = hits_BE * (e / (k * t))
         return (f_BE * p_BE).sum(-1).mean()
 
+    def keep_routing_state_fp32(self) -> None:
+        """Put the bias and the load counters back in fp32 if something cast them.
+
+        In bf16 the bias loses a γ = 1e-3 step once |bias| >= 0.5 and counts round above 256.
+        Buffers are never partitioned by ZeRO, so restoring them after a cast is safe.
+        """
+        for owner, name in (
+            (self.gate, "e_score_correction_bias"),
+            (self, "last_counts"),
+            (self, "load_since_update"),
+        ):
+            b = getattr(owner, name)
+            if b.dtype != torch.float32:
+                setattr(owner, name, b.float())
+
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing: bias += γ·sign(mean load − load); resets the accumulator.
 
         Pass `load_E` already summed over data-parallel ranks so every rank applies the same step.
         """
-        load = self.load_since_update if load_E is None else load_E.to(self.load_since_update)
+        load = self.load_since_update if load_E is None else load_E
+        load = load.to(device=self.load_since_update.device, dtype=torch.float32)
         gamma = self.cfg.bias_update_speed
         if gamma > 0 and load.sum() > 0:
             self.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
