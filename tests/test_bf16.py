@@ -43,10 +43,11 @@ def _batches(vocab: int, step: int, n: int, t: int) -> torch.Tensor:
     return (a + b * torch.arange(t + 1)) % vocab
 
 
-def _engine(dtype: str, stage: int, world: int, ep: int, overrides=()):
+def _engine(dtype: str, stage: int, world: int, ep: int, overrides=(), device: str = "cpu"):
+    """Model + Engine as the trainer builds them; `device` "cuda" runs NCCL (tests/gpu)."""
     from llmtrain.config import load_config
     from llmtrain.model import build_model
-    from llmtrain.parallel.engine import Engine, init_distributed, make_dispatcher
+    from llmtrain.parallel.engine import Engine, device_for, init_distributed, make_dispatcher
     from llmtrain.parallel.layout import make_layout
 
     cfg = load_config(
@@ -56,8 +57,9 @@ def _engine(dtype: str, stage: int, world: int, ep: int, overrides=()):
          "model.bias_update_speed=0.001", *overrides],
     )  # fmt: skip
     layout = make_layout(cfg, world)
-    init_distributed("gloo")
-    model = build_model(cfg.model, seed=0, dispatcher=make_dispatcher(layout))
+    init_distributed("nccl" if device == "cuda" else "gloo")
+    dev = device_for(int(os.environ["LOCAL_RANK"])) if device == "cuda" else torch.device("cpu")
+    model = build_model(cfg.model, device=dev, seed=0, dispatcher=make_dispatcher(layout))
     return cfg, layout, model, Engine(model, cfg, layout)
 
 
@@ -65,11 +67,12 @@ def _train_steps(cfg, layout, model, eng, steps: int, rank: int) -> list[float]:
     import torch.distributed as dist
 
     losses = []
+    dev = next(model.parameters()).device
     for step in range(steps):
         eng.set_lr(3e-3)
         data = _batches(cfg.model.vocab_size, step, layout.global_batch, cfg.train.seq_len)
-        mine = data.view(layout.world_size, -1, data.shape[1])[rank]
-        total = torch.zeros(())
+        mine = data.view(layout.world_size, -1, data.shape[1])[rank].to(dev)
+        total = torch.zeros((), device=dev)
         for mb in mine.split(layout.micro_batch):
             out = eng(mb[:, :-1], labels=mb[:, 1:], check_inputs=False)
             eng.backward(out.loss)
@@ -136,9 +139,11 @@ def _dtype_worker(rank: int, world: int, port: int, stage: int, ep: int, out: st
     dist.destroy_process_group()
 
 
-def _loss_worker(rank: int, world: int, port: int, dtype: str, steps: int, out: str) -> None:
+def _loss_worker(
+    rank: int, world: int, port: int, dtype: str, steps: int, out: str, device: str = "cpu"
+) -> None:
     _setup(rank, world, port)
-    cfg, layout, model, eng = _engine(dtype, 1, world, 1)
+    cfg, layout, model, eng = _engine(dtype, 1, world, 1, device=device)
     losses = _train_steps(cfg, layout, model, eng, steps, rank)
     if rank == 0:
         Path(out, f"{dtype}.json").write_text(json.dumps(losses))

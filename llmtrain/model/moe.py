@@ -36,6 +36,16 @@ class LocalDispatcher:
         return experts(x_MD, counts_E)
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the shared experts (streams are costly to create)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 class Router(nn.Module):
     """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores.
 
@@ -195,10 +205,21 @@ class MoE(nn.Module):
         order_M = torch.argsort(idx_M, stable=True)
         token_M = order_M // k
         counts_E = torch.bincount(idx_M, minlength=cfg.n_routed_experts)
+        overlap = self.shared_experts is not None and self.overlap_shared(x_TD)
+        if overlap:  # shared experts on a side stream while the routed rows are all-to-all'd
+            main, side = torch.cuda.current_stream(x_TD.device), _side_stream(x_TD.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_TD = self.shared_experts(x_TD)
+            x_TD.record_stream(side)
         y_MD = self.dispatcher(x_TD[token_M], counts_E, self.experts)
         y_MD = y_MD * w_TK.reshape(-1)[order_M].unsqueeze(-1).to(y_MD.dtype)
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_M, y_MD.to(x_TD.dtype))
-        if self.shared_experts is not None:
+        if overlap:
+            main.wait_stream(side)
+            shared_TD.record_stream(main)
+            out_TD = out_TD + shared_TD
+        elif self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
 
         with torch.no_grad():
@@ -213,6 +234,11 @@ class MoE(nn.Module):
         if self.training and cfg.router_z_loss_coef > 0:
             aux = aux + cfg.router_z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
         return out_TD.view(b, t, d), aux
+
+    def overlap_shared(self, x_TD: torch.Tensor) -> bool:
+        """Overlap the shared experts with dispatch: CUDA with expert parallelism only (on one
+        rank there is no communication to hide, and CPU has no streams)."""
+        return x_TD.is_cuda and self.dispatcher.ep_size > 1
 
     def sequence_balance_loss(self, scores_TE, idx_TK, b: int, t: int) -> torch.Tensor:
         """DeepSeek-V3 eq. 17-20: Σ_i f_i·P_i per sequence, averaged over sequences.
