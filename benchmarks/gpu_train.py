@@ -57,7 +57,8 @@ def main() -> None:
             "train.micro_batch_size=8", "train.seq_len=2048", "train.log_every=1",
             "train.dtype=bf16", "model.attn_backend=auto", *args.overrides]  # fmt: skip
     cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     t0 = time.perf_counter()
     res: dict = {"name": name, "config": str(Path(args.config).name), "overrides": over}
     try:

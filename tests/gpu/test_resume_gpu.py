@@ -24,8 +24,8 @@ STEPS = 12
 RTOL = 1e-3
 
 
-def _over(cache, *extra):
-    return [f"train.max_steps={STEPS}", "train.warmup_steps=2", f"data.cache_dir={cache}",
+def _over(*extra):  # the data cache comes from LLMTRAIN_CACHE (a data.* key would re-tokenize)
+    return [f"train.max_steps={STEPS}", "train.warmup_steps=2",
             "train.sample_tokens=0", "train.eval_every=4", "train.save_every=4",
             "train.tensorboard=false", "train.dtype=bf16", "data.doc_mask=true",
             "parallel.backend=nccl", *extra]  # fmt: skip
@@ -36,18 +36,22 @@ def _cmd(run_dir: Path, overrides) -> list[str]:  # no console script needed: py
             "--run-dir", str(run_dir), *overrides]  # fmt: skip
 
 
-def _env() -> dict:
-    return env(DS_ACCELERATOR="cuda", PYTHONPATH=str(ROOT))
+def _env(cache: str) -> dict:
+    return env(
+        DS_ACCELERATOR="cuda",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        LLMTRAIN_CACHE=cache,
+    )
 
 
-def _run(run_dir: Path, overrides) -> None:
-    p = subprocess.run(_cmd(run_dir, overrides), cwd=ROOT, env=_env(), capture_output=True,
+def _run(run_dir: Path, overrides, cache: str) -> None:
+    p = subprocess.run(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache), capture_output=True,
                        text=True, timeout=400)  # fmt: skip
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
 
 
-def _kill_at(run_dir: Path, overrides, step: int) -> None:
-    p = subprocess.Popen(_cmd(run_dir, overrides), cwd=ROOT, env=_env(), start_new_session=True,
+def _kill_at(run_dir: Path, overrides, step: int, cache: str) -> None:
+    p = subprocess.Popen(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache), start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 400
     try:
@@ -65,11 +69,11 @@ def _kill_at(run_dir: Path, overrides, step: int) -> None:
 def test_nccl_world_of_one_save_resume_bf16(gpu_cache, tmp_path):
     pytest.importorskip("deepspeed")
     ref = tmp_path / "ref"
-    _run(ref, _over(gpu_cache))
+    _run(ref, _over(), gpu_cache)
     run = tmp_path / "run"
-    _kill_at(run, _over(gpu_cache), step=6)
+    _kill_at(run, _over(), 6, gpu_cache)
     assert (run / "checkpoints" / "latest").exists()
-    _run(run, _over(gpu_cache, "resume=auto"))
+    _run(run, _over("resume=auto"), gpu_cache)
     a, b = metrics(ref), metrics(run)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
