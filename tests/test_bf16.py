@@ -27,10 +27,10 @@ EARLY_ATOL = 0.15  # max over steps 1-10
 LATE_MEAN_ATOL = 0.25  # mean over steps 21-30
 
 
-def _setup(rank: int, world: int, port: int) -> None:
+def _setup(rank: int, world: int, port: int, device: str = "cpu") -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR=device,
     )  # fmt: skip
     torch.set_num_threads(1)
 
@@ -142,7 +142,7 @@ def _dtype_worker(rank: int, world: int, port: int, stage: int, ep: int, out: st
 def _loss_worker(
     rank: int, world: int, port: int, dtype: str, steps: int, out: str, device: str = "cpu"
 ) -> None:
-    _setup(rank, world, port)
+    _setup(rank, world, port, device)
     cfg, layout, model, eng = _engine(dtype, 1, world, 1, device=device)
     losses = _train_steps(cfg, layout, model, eng, steps, rank)
     if rank == 0:

@@ -167,7 +167,36 @@ def _flex(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask, compiled: bo
     return fn(q_BHTE, k_BHSE, v_BHSV, block_mask=mask.block_mask(), scale=scale)
 
 
-_flex_failed: list[str] = []
+_flex_failed: list[str] = []  # why FlexAttention was given up (then dense SDPA is used)
+_flex_probed: set[tuple] = set()
+
+
+def _flex_works(q_BHTE: torch.Tensor, v_BHSV: torch.Tensor) -> bool:
+    """Compile and run FlexAttention forward + backward once on a small problem with these head
+    dims and dtype before training relies on it: its backward compiles lazily, inside
+    `loss.backward()`, where a failure could not fall back any more."""
+    if _flex_failed:
+        return False
+    key = (q_BHTE.shape[-1], v_BHSV.shape[-1], q_BHTE.dtype, q_BHTE.device)
+    if key in _flex_probed or not q_BHTE.is_cuda:
+        return True
+    _flex_probed.add(key)
+    try:
+        with torch.enable_grad():
+            dev, dt, t = q_BHTE.device, q_BHTE.dtype, 256
+            q, k, v = (
+                torch.randn(1, 1, t, d, device=dev, dtype=dt, requires_grad=True)
+                for d in (q_BHTE.shape[-1], q_BHTE.shape[-1], v_BHSV.shape[-1])
+            )
+            dm = DocumentMask(torch.arange(t, device=dev).div(100, rounding_mode="floor")[None])
+            _flex(q, k, v, 1.0, dm, compiled=True).float().sum().backward()
+    except Exception as e:  # an unsupported shape or compiler: run on, densely
+        _flex_failed.append(repr(e))
+        logger.warning(
+            "FlexAttention failed (%r); document masking falls back to SDPA with a dense mask", e
+        )
+        return False
+    return True
 
 
 def document_backend(backend: str, q: torch.Tensor) -> str:
@@ -230,14 +259,9 @@ def attention(
             resolve_backend("flash", q_BHTE)  # raises with the fix when flash-attn cannot run
             _log_choice("flash-attn varlen", "document mask as cu_seqlens")
             return _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale, mask)
-        if kind == "flex" and not _flex_failed:
+        if kind == "flex" and _flex_works(q_BHTE, v_BHSV):
             _log_choice("flex", f"document mask as a block mask on {q_BHTE.device.type}")
-            try:
-                return _flex(q_BHTE, k_BHSE, v_BHSV, scale, mask, compiled=q_BHTE.is_cuda)
-            except Exception as e:  # an unsupported shape or compiler: run on, densely
-                _flex_failed.append(repr(e))
-                logger.warning("FlexAttention failed (%r); document masking falls back to SDPA "
-                               "with a dense mask", e)  # fmt: skip
+            return _flex(q_BHTE, k_BHSE, v_BHSV, scale, mask, compiled=q_BHTE.is_cuda)
     mask = _dense(mask)
     backend = resolve_backend(backend, q_BHTE)
     if backend == "flash" and mask is None and t == s:
