@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_100m.yaml and
-# configs/moe_1b.yaml. Every step has a timeout and the whole run a budget; a summary table
+# configs/moe_1b.yaml, and a kernel profile of the 1B model's step. Every step has a timeout and the whole run a budget; a summary table
 # is printed at the end and everything is written under $OUT (default ./gpu_check_out).
 #
 #   bash launch/gpu_check.sh --prepare-wheels   # on a machine WITH a package registry: puts
@@ -13,7 +13,8 @@
 # (for machines that reach a registry). flash-attn is optional: its tests skip without it.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450),
 # BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out, e.g. "setup prepare_data"
-# on a rerun where they passed; the steps: setup prepare_data tests_gpu bench_moe_100m bench_moe_1b).
+# on a rerun where they passed; the steps: setup prepare_data tests_gpu bench_moe_100m bench_moe_1b
+# profile_moe_1b).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -125,6 +126,8 @@ step bench_moe_100m 120 $PY benchmarks/gpu_train.py --config configs/moe_100m.ya
   --steps "$STEPS" --name moe_100m --timeout 110 --out "$OUT/gpu_train_moe_100m.json"
 step bench_moe_1b 150 $PY benchmarks/gpu_train.py --config configs/moe_1b.yaml \
   --steps "$STEPS" --name moe_1b --timeout 140 --out "$OUT/gpu_train_moe_1b.json"
+step profile_moe_1b 75 $PY benchmarks/gpu_profile.py --config configs/moe_1b.yaml \
+  --out "$OUT/gpu_profile_moe_1b.txt"
 
 echo
 echo "================ gpu_check summary ($(($(date +%s) - T0))s of ${BUDGET}s budget) ================"
