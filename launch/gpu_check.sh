@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_100m.yaml and
-# configs/moe_1b.yaml, and a kernel profile of the 1B model's step. Every step has a timeout and the whole run a budget; a summary table
-# is printed at the end and everything is written under $OUT (default ./gpu_check_out).
+# configs/moe_1b.yaml, and a kernel profile of the 1B model's step. Every step has a timeout and
+# the whole run a budget; a summary table is printed at the end and everything is written under
+# $OUT (default ./gpu_check_out).
 #
 #   bash launch/gpu_check.sh --prepare-wheels   # on a machine WITH a package registry: puts
 #                                               # DeepSpeed and its missing deps into .whl/
@@ -11,10 +12,12 @@
 # The GPU machine is expected to hold python3 with a CUDA torch (no DeepSpeed, no flash-attn).
 # Set-up installs .whl/*.whl (carried with the repo) into /tmp/llmtrain-site, else tries pip
 # (for machines that reach a registry). flash-attn is optional: its tests skip without it.
-# Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450),
-# BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out, e.g. "setup prepare_data"
-# on a rerun where they passed; the steps: setup prepare_data tests_gpu bench_moe_100m bench_moe_1b
-# profile_moe_1b).
+# Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
+# --prepare-wheels here; files come back from $OUT (6 files).
+# Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 470),
+# BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
+# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b tests_gpu bench_moe_100m
+# profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and prepare_data).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -40,7 +43,7 @@ OUT=${OUT:-$ROOT/gpu_check_out}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 : >"$LOG"
-BUDGET=${GPU_CHECK_BUDGET:-450}
+BUDGET=${GPU_CHECK_BUDGET:-470}
 STEPS=${BENCH_STEPS:-30}
 T0=$(date +%s)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -119,14 +122,15 @@ EOF
 if [[ -d /tmp/llmtrain-site ]] || ! $PY -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/llmtrain-site  # after the image's own packages
 fi
-step setup 150 setup
+# Order: the MFU figure first, then correctness, then the smaller config and the profile.
+step setup 120 setup
 step prepare_data 120 prepare
-step tests_gpu 210 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-step bench_moe_100m 120 $PY benchmarks/gpu_train.py --config configs/moe_100m.yaml \
-  --steps "$STEPS" --name moe_100m --timeout 110 --out "$OUT/gpu_train_moe_100m.json"
-step bench_moe_1b 150 $PY benchmarks/gpu_train.py --config configs/moe_1b.yaml \
-  --steps "$STEPS" --name moe_1b --timeout 140 --out "$OUT/gpu_train_moe_1b.json"
-step profile_moe_1b 75 $PY benchmarks/gpu_profile.py --config configs/moe_1b.yaml \
+step bench_moe_1b 130 $PY benchmarks/gpu_train.py --config configs/moe_1b.yaml \
+  --steps "$STEPS" --name moe_1b --timeout 120 --out "$OUT/gpu_train_moe_1b.json"
+step tests_gpu 240 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
+step bench_moe_100m 100 $PY benchmarks/gpu_train.py --config configs/moe_100m.yaml \
+  --steps "$STEPS" --name moe_100m --timeout 90 --out "$OUT/gpu_train_moe_100m.json"
+step profile_moe_1b 60 $PY benchmarks/gpu_profile.py --config configs/moe_1b.yaml \
   --out "$OUT/gpu_profile_moe_1b.txt"
 
 echo
