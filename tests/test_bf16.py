@@ -231,3 +231,20 @@ def test_bf16_loss_tracks_fp32(tmp_path):
     diff = [abs(a - b) for a, b in zip(f32, b16)]
     assert max(diff[:10]) < EARLY_ATOL, f"bf16 - fp32 loss per step: {diff}"
     assert sum(diff[-10:]) / 10 < LATE_MEAN_ATOL, f"bf16 - fp32 loss per step: {diff}"
+
+
+@pytest.mark.slow
+def test_bf16_zero1_kill_and_resume_is_exact(tmp_path):
+    """The trainer in bf16 (BF16_Optimizer, fp32 routers from the master copy) resumes
+    bit-exactly on CPU: master weights, moments and the routers' fp32 weights are restored."""
+    from tests.train_utils import kill_when_step, metrics, run_train
+
+    over = ["train.max_steps=8", "train.warmup_steps=2", "train.sample_tokens=0",
+            "train.eval_every=4", "train.save_every=4", "train.tensorboard=false",
+            "train.dtype=bf16", "data.doc_mask=true", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    run_train(tmp_path / "a", 1, over)
+    kill_when_step(tmp_path / "b", 1, over, step=6)
+    run_train(tmp_path / "b", 1, [*over, "resume=auto"])
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
