@@ -14,9 +14,9 @@
 # (for machines that reach a registry). flash-attn is optional: its tests skip without it.
 # Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
 # --prepare-wheels here; files come back from $OUT (6 files).
-# Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 470),
+# Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
-# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b tests_gpu bench_moe_100m
+# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_100m tests_gpu
 # profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and prepare_data).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -43,7 +43,7 @@ OUT=${OUT:-$ROOT/gpu_check_out}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 : >"$LOG"
-BUDGET=${GPU_CHECK_BUDGET:-470}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 STEPS=${BENCH_STEPS:-30}
 T0=$(date +%s)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -122,14 +122,15 @@ EOF
 if [[ -d /tmp/llmtrain-site ]] || ! $PY -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/llmtrain-site  # after the image's own packages
 fi
-# Order: the MFU figure first, then correctness, then the smaller config and the profile.
+# Order: the MFU figures first, then correctness (-v: each result is logged as it finishes, should
+# the step run out of time), then the profile.
 step setup 120 setup
 step prepare_data 120 prepare
 step bench_moe_1b 130 $PY benchmarks/gpu_train.py --config configs/moe_1b.yaml \
   --steps "$STEPS" --name moe_1b --timeout 120 --out "$OUT/gpu_train_moe_1b.json"
-step tests_gpu 240 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-step bench_moe_100m 100 $PY benchmarks/gpu_train.py --config configs/moe_100m.yaml \
-  --steps "$STEPS" --name moe_100m --timeout 90 --out "$OUT/gpu_train_moe_100m.json"
+step bench_moe_100m 90 $PY benchmarks/gpu_train.py --config configs/moe_100m.yaml \
+  --steps "$STEPS" --name moe_100m --timeout 80 --out "$OUT/gpu_train_moe_100m.json"
+step tests_gpu 270 $PY -m pytest tests/gpu -v -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
 step profile_moe_1b 60 $PY benchmarks/gpu_profile.py --config configs/moe_1b.yaml \
   --out "$OUT/gpu_profile_moe_1b.txt"
 
