@@ -7,7 +7,9 @@ from llmtrain.model.loss import LMHead, chunked_cross_entropy
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_head_ce_matches_plain_loss_and_grads(dtype, monkeypatch):
-    monkeypatch.setattr("llmtrain.model.loss._chunk_rows", lambda v: 7)  # several ragged chunks
+    monkeypatch.setattr(
+        "llmtrain.model.loss._chunk_rows", lambda v, device=None: 7
+    )  # ragged chunks
     torch.manual_seed(0)
     head = LMHead(16, 50).to(dtype)
     h = torch.randn(3, 10, 16, dtype=dtype, requires_grad=True)
@@ -25,3 +27,13 @@ def test_fused_head_ce_matches_plain_loss_and_grads(dtype, monkeypatch):
     torch.testing.assert_close(
         chunked_cross_entropy(h.reshape(-1, 16), head.weight, labels.reshape(-1)), ref.detach()
     )
+
+
+def test_chunk_size_by_device():
+    from llmtrain.model.loss import _chunk_rows
+
+    cpu = _chunk_rows(32000, torch.device("cpu"))
+    gpu = _chunk_rows(32000, torch.device("cuda", 0))  # no GPU needed: only the device type
+    assert cpu == _chunk_rows(32000) == (1 << 22) // 32000  # CPU keeps its tuned size
+    assert gpu % 128 == 0 and gpu >= 8 * cpu
+    assert _chunk_rows(10**7, torch.device("cuda")) == 128  # never below one tile of rows

@@ -173,9 +173,24 @@ def test_top_p_sampling(debug_cfg):
     assert torch.equal(s1, s2)
 
 
-def test_bf16_forward_keeps_router_fp32(debug_cfg):
-    model = build_model(debug_cfg.model, dtype=torch.bfloat16)
-    assert model.moe_layers()[0].gate.weight.dtype == torch.float32
+def test_bf16_cast_model_routes_like_fp32(debug_cfg):
+    """What DeepSpeed's bf16 engine does (every parameter to bf16, buffers kept) and what our
+    engine then does (routers get their fp32 master weight): routing equals the fp32 model's.
+    The engine path itself is tested in test_bf16.py."""
+    model = build_model(debug_cfg.model)
+    x_TD = torch.randn(64, debug_cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    gate = model.moe_layers()[0].gate
+    with torch.no_grad():
+        w32, idx32, _, _ = gate(x_TD)
+    master = gate.weight.detach().clone()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    gate.set_fp32_weight(master)
+    w, idx, _, logits = gate(x_TD)
+    assert logits.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(idx, idx32) and torch.equal(w, w32)  # the bf16 weight would differ
+    w.sum().backward()
+    assert gate.weight.grad is not None and gate.weight.grad.dtype == torch.bfloat16
     out = model(_ids(debug_cfg.model))
     assert out.logits.dtype == torch.bfloat16 and out.logits.isfinite().all()
 

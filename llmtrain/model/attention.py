@@ -7,6 +7,12 @@ Q q_lora_rank, R kv_lora_rank.
 Training/prefill expands the latent into per-head K/V and calls a fused kernel. Cached decoding
 works in the latent space ("absorbed" form): q_nope is pushed through W_UK and the output through
 W_UV, so the cache holds only R + P values per token per layer.
+
+Document masking (packed sequences, attention inside each document) is described by document
+ids (`DocumentMask`), not by a dense [B, 1, T, T] mask, so that a kernel can skip the masked
+blocks: flash-attn's variable-length kernel (one causal sequence per document, cu_seqlens) or
+FlexAttention with a block mask, on CUDA. A dense mask into SDPA is only the fallback (CPU, where
+FlexAttention has no backward in torch 2.13, or neither kernel available).
 """
 
 from __future__ import annotations
@@ -58,6 +64,155 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
     return requested
 
 
+class DocumentMask:
+    """Causal attention restricted to documents: `doc_BT[b, i]` is the document of token i.
+
+    Ids must be non-decreasing along each row (packed documents). Each derived form (dense mask,
+    cu_seqlens, FlexAttention block mask) is built once and shared by every layer of a forward.
+    """
+
+    def __init__(self, doc_BT: torch.Tensor):
+        self.doc_BT = doc_BT
+        self._dense: torch.Tensor | None = None
+        self._varlen: tuple[torch.Tensor, int] | None = None
+        self._block = None
+
+    @classmethod
+    def from_eos(cls, input_ids_BT: torch.Tensor, eos_id: int) -> DocumentMask:
+        """Split after each EOS: the EOS belongs to the document it ends."""
+        eos = (input_ids_BT == eos_id).long()
+        return cls(torch.cumsum(eos, dim=1) - eos)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, t = self.doc_BT.shape
+        return (b, 1, t, t)
+
+    def dense(self) -> torch.Tensor:
+        """[B, 1, T, T] boolean "may attend" mask (the fallback, and the reference)."""
+        if self._dense is None:
+            d = self.doc_BT
+            t = d.shape[1]
+            causal_TT = torch.ones(t, t, dtype=torch.bool, device=d.device).tril()
+            self._dense = ((d[:, :, None] == d[:, None, :]) & causal_TT).unsqueeze(1)
+        return self._dense
+
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """(cu_seqlens int32 [n_docs + 1] over the flattened B·T tokens, longest document).
+
+        One host sync (the longest length) per forward; documents never span two rows.
+        """
+        if self._varlen is None:
+            d = self.doc_BT
+            start_BT = torch.ones_like(d, dtype=torch.bool)
+            start_BT[:, 1:] = d[:, 1:] != d[:, :-1]
+            starts = start_BT.reshape(-1).nonzero().squeeze(1)
+            cu = torch.cat([starts, starts.new_tensor([d.numel()])]).to(torch.int32)
+            self._varlen = (cu, int((cu[1:] - cu[:-1]).max()))
+        return self._varlen
+
+    def block_mask(self, heads: int | None = None):
+        """FlexAttention BlockMask (causal within documents); blocks wholly masked are skipped."""
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = self.doc_BT
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+            b, t = doc.shape
+            self._block = create_block_mask(mask_mod, b, None, t, t, device=doc.device)
+        return self._block
+
+
+def _dense(mask) -> torch.Tensor | None:
+    return mask.dense() if isinstance(mask, DocumentMask) else mask
+
+
+@functools.cache
+def flex_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func  # optional, CUDA only
+
+    b, h, t, e = q_BHTE.shape
+    v = v_BHSV.shape[-1]
+    vv = F.pad(v_BHSV, (0, e - v)) if v < e else v_BHSV  # flash-attn wants one head dim
+    cu, longest = mask.varlen()
+
+    def flat(x_BHTX):  # [B·T, H, X]: the documents laid end to end
+        return x_BHTX.transpose(1, 2).reshape(b * t, h, x_BHTX.shape[-1])
+
+    out_NHE = flash_attn_varlen_func(
+        flat(q_BHTE), flat(k_BHSE), flat(vv), cu, cu, longest, longest,
+        softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out_NHE[..., :v].reshape(b, t, h, v).transpose(1, 2)
+
+
+def _flex(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask, compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    return fn(q_BHTE, k_BHSE, v_BHSV, block_mask=mask.block_mask(), scale=scale)
+
+
+_flex_failed: list[str] = []  # why FlexAttention was given up (then dense SDPA is used)
+_flex_probed: set[tuple] = set()
+
+
+def _flex_works(q_BHTE: torch.Tensor, v_BHSV: torch.Tensor) -> bool:
+    """Compile and run FlexAttention forward + backward once on a small problem with these head
+    dims and dtype before training relies on it: its backward compiles lazily, inside
+    `loss.backward()`, where a failure could not fall back any more."""
+    if _flex_failed:
+        return False
+    key = (q_BHTE.shape[-1], v_BHSV.shape[-1], q_BHTE.dtype, q_BHTE.device)
+    if key in _flex_probed or not q_BHTE.is_cuda:
+        return True
+    _flex_probed.add(key)
+    try:
+        with torch.enable_grad():
+            dev, dt, t = q_BHTE.device, q_BHTE.dtype, 256
+            q, k, v = (
+                torch.randn(1, 1, t, d, device=dev, dtype=dt, requires_grad=True)
+                for d in (q_BHTE.shape[-1], q_BHTE.shape[-1], v_BHSV.shape[-1])
+            )
+            dm = DocumentMask(torch.arange(t, device=dev).div(100, rounding_mode="floor")[None])
+            _flex(q, k, v, 1.0, dm, compiled=True).float().sum().backward()
+    except Exception as e:  # an unsupported shape or compiler: run on, densely
+        _flex_failed.append(repr(e))
+        logger.warning(
+            "FlexAttention failed (%r); document masking falls back to SDPA with a dense mask", e
+        )
+        return False
+    return True
+
+
+def document_backend(backend: str, q: torch.Tensor) -> str:
+    """The kernel for a DocumentMask: varlen flash-attn, FlexAttention (CUDA), else dense SDPA."""
+    if backend == "flash":
+        return "flash_varlen"
+    if backend == "auto" and q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+            return "flash_varlen"
+        if flex_available():
+            return "flex"
+    if backend == "flex":
+        return "flex"
+    return "reference" if backend == "reference" else "sdpa"
+
+
 def reference_attention(
     q_BHTE: torch.Tensor,
     k_BHSE: torch.Tensor,
@@ -90,14 +245,25 @@ def attention(
     v_BHSV: torch.Tensor,
     scale: float,
     backend: str,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | DocumentMask | None = None,
 ) -> torch.Tensor:
     """Causal attention through the chosen backend; returns [B, H, T, V].
 
-    `mask` (bool [B or 1, 1, T, S]) replaces the plain causal mask, e.g. for document masking.
+    `mask` replaces the plain causal mask: a DocumentMask (document masking: sparse kernels on
+    CUDA, see `document_backend`) or a bool [B or 1, 1, T, S] tensor (dense, through SDPA).
     """
-    backend = resolve_backend(backend, q_BHTE)
     t, s = q_BHTE.shape[-2], k_BHSE.shape[-2]
+    if isinstance(mask, DocumentMask) and t == s:
+        kind = document_backend(backend, q_BHTE)
+        if kind == "flash_varlen":
+            resolve_backend("flash", q_BHTE)  # raises with the fix when flash-attn cannot run
+            _log_choice("flash-attn varlen", "document mask as cu_seqlens")
+            return _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale, mask)
+        if kind == "flex" and _flex_works(q_BHTE, v_BHSV):
+            _log_choice("flex", f"document mask as a block mask on {q_BHTE.device.type}")
+            return _flex(q_BHTE, k_BHSE, v_BHSV, scale, mask, compiled=q_BHTE.is_cuda)
+    mask = _dense(mask)
+    backend = resolve_backend(backend, q_BHTE)
     if backend == "flash" and mask is None and t == s:
         from flash_attn import flash_attn_func  # optional, CUDA only
 
@@ -108,7 +274,7 @@ def attention(
             softmax_scale=scale, causal=True,
         )  # fmt: skip
         return out[..., :v].transpose(1, 2)
-    if backend in ("sdpa", "flash"):
+    if backend in ("sdpa", "flash", "flex"):
         if mask is None and t == s:
             return F.scaled_dot_product_attention(
                 q_BHTE, k_BHSE, v_BHSV, is_causal=True, scale=scale
@@ -218,6 +384,7 @@ class MLA(nn.Module):
         s_BHTS = s_BHTS + torch.matmul(qr_BHTP, kr_BSP.unsqueeze(1).transpose(-1, -2))
         s_BHTS = _atleast_fp32(s_BHTS) * self.scale
         t, s = s_BHTS.shape[-2:]
+        mask = _dense(mask)
         m = mask if mask is not None else causal_mask(t, s, s_BHTS.device)
         p_BHTS = torch.softmax(s_BHTS.masked_fill(~m, float("-inf")), dim=-1).to(c_BSR.dtype)
         ol_BHTR = torch.matmul(p_BHTS, c_BSR.unsqueeze(1))

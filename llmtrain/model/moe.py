@@ -36,8 +36,24 @@ class LocalDispatcher:
         return experts(x_MD, counts_E)
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the shared experts (streams are costly to create)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 class Router(nn.Module):
-    """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores."""
+    """Top-k gate. Selection uses scores + e_score_correction_bias; weights use raw scores.
+
+    Routing runs in fp32 whatever the training precision. DeepSpeed's bf16 mode casts every
+    parameter, this weight included (it keeps only buffers in fp32), so the engine hands the
+    router the fp32 master copy of its weight (`set_fp32_weight`): the forward then reads those
+    exact values and the gradient still flows to the (bf16) parameter the optimizer owns.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -46,16 +62,33 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
         # Persistent (HF checkpoints carry it); updated by the aux-loss-free rule, never by grads.
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        self.fp32_weight: torch.Tensor | None = None  # not a buffer: no cast, no state_dict
+
+    def set_fp32_weight(self, w_ED: torch.Tensor | None) -> None:
+        """Route with these fp32 values (the optimizer's master weight) while `weight` is not fp32."""
+        self.fp32_weight = (
+            None if w_ED is None else w_ED.detach().to(self.weight.device, torch.float32)
+        )
+
+    def routing_weight(self) -> torch.Tensor:
+        """The weight in fp32: the master copy when one was set, with the parameter's gradient."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        if self.fp32_weight is None or self.fp32_weight.shape != w.shape:
+            return w.float()
+        # value of the fp32 master, gradient of the parameter (straight through)
+        return self.fp32_weight + (w - w.detach()).float()
 
     def forward(self, x_TD: torch.Tensor):
         cfg = self.cfg
         x = x_TD.float() if x_TD.dtype.itemsize < 4 else x_TD  # routing in >= fp32
-        logits_TE = F.linear(x, self.weight.to(x.dtype))
+        logits_TE = F.linear(x, self.routing_weight().to(x.dtype))
         if cfg.scoring_func == "sigmoid":
             scores_TE = logits_TE.sigmoid()
         else:
             scores_TE = logits_TE.softmax(dim=-1)
-        choice_TE = scores_TE.detach() + self.e_score_correction_bias
+        choice_TE = scores_TE.detach() + self.e_score_correction_bias.float()
         if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
             t = choice_TE.shape[0]
             grouped_TGe = choice_TE.view(t, cfg.n_group, -1)
@@ -162,8 +195,11 @@ class MoE(nn.Module):
         )
         e = cfg.n_routed_experts
         # Token counts for metrics and the bias update: last forward, and summed since the update.
-        self.register_buffer("last_counts", torch.zeros(e), persistent=False)
-        self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
+        # fp32 explicitly: exact integer counts up to 2**24 per expert between bias updates.
+        self.register_buffer("last_counts", torch.zeros(e, dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "load_since_update", torch.zeros(e, dtype=torch.float32), persistent=False
+        )
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [B, T, D], auxiliary loss scalar: seq-wise balance + z-loss)."""
@@ -176,10 +212,21 @@ class MoE(nn.Module):
         order_M = torch.argsort(idx_M, stable=True)
         token_M = order_M // k
         counts_E = torch.bincount(idx_M, minlength=cfg.n_routed_experts)
+        overlap = self.shared_experts is not None and self.overlap_shared(x_TD)
+        if overlap:  # shared experts on a side stream while the routed rows are all-to-all'd
+            main, side = torch.cuda.current_stream(x_TD.device), _side_stream(x_TD.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_TD = self.shared_experts(x_TD)
+            x_TD.record_stream(side)
         y_MD = self.dispatcher(x_TD[token_M], counts_E, self.experts)
         y_MD = y_MD * w_TK.reshape(-1)[order_M].unsqueeze(-1).to(y_MD.dtype)
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_M, y_MD.to(x_TD.dtype))
-        if self.shared_experts is not None:
+        if overlap:
+            main.wait_stream(side)
+            shared_TD.record_stream(main)
+            out_TD = out_TD + shared_TD
+        elif self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
 
         with torch.no_grad():
@@ -195,6 +242,11 @@ class MoE(nn.Module):
             aux = aux + cfg.router_z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
         return out_TD.view(b, t, d), aux
 
+    def overlap_shared(self, x_TD: torch.Tensor) -> bool:
+        """Overlap the shared experts with dispatch: CUDA with expert parallelism only (on one
+        rank there is no communication to hide, and CPU has no streams)."""
+        return x_TD.is_cuda and self.dispatcher.ep_size > 1
+
     def sequence_balance_loss(self, scores_TE, idx_TK, b: int, t: int) -> torch.Tensor:
         """DeepSeek-V3 eq. 17-20: Σ_i f_i·P_i per sequence, averaged over sequences.
 
@@ -209,13 +261,29 @@ class MoE(nn.Module):
         f_BE = hits_BE * (e / (k * t))
         return (f_BE * p_BE).sum(-1).mean()
 
+    def keep_routing_state_fp32(self) -> None:
+        """Put the bias and the load counters back in fp32 if something cast them.
+
+        In bf16 the bias loses a γ = 1e-3 step once |bias| >= 0.5 and counts round above 256.
+        Buffers are never partitioned by ZeRO, so restoring them after a cast is safe.
+        """
+        for owner, name in (
+            (self.gate, "e_score_correction_bias"),
+            (self, "last_counts"),
+            (self, "load_since_update"),
+        ):
+            b = getattr(owner, name)
+            if b.dtype != torch.float32:
+                setattr(owner, name, b.float())
+
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing: bias += γ·sign(mean load − load); resets the accumulator.
 
         Pass `load_E` already summed over data-parallel ranks so every rank applies the same step.
         """
-        load = self.load_since_update if load_E is None else load_E.to(self.load_since_update)
+        load = self.load_since_update if load_E is None else load_E
+        load = load.to(device=self.load_since_update.device, dtype=torch.float32)
         gamma = self.cfg.bias_update_speed
         if gamma > 0 and load.sum() > 0:
             self.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))

@@ -182,8 +182,9 @@ class Transformer(nn.Module):
         """input_ids [B, T]; labels [B, T] (next tokens, -100 ignored) adds the losses.
 
         With labels the head and cross-entropy run fused and chunked, and logits are not
-        materialised unless `return_logits=True`. `attention_mask`, if given, is a boolean
-        [B, 1, T, S] "may attend" mask (e.g. per document).
+        materialised unless `return_logits=True`. `attention_mask`, if given, is a
+        DocumentMask (packed documents; sparse kernels on CUDA) or a boolean [B, 1, T, S]
+        "may attend" mask.
         """
         if check_inputs:
             self._check_ids(input_ids)

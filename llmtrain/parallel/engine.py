@@ -189,8 +189,18 @@ def effective_zero_stage(cfg: Config, layout: Layout) -> int:
     return layout.zero_stage
 
 
+# Buffers DeepSpeed must leave in fp32 even when told to cast buffers (data_types.buffer_dtype).
+FP32_BUFFERS = ["e_score_correction_bias", "last_counts", "load_since_update"]
+
+
 def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
-    """Our config to DeepSpeed's, with `train.deepspeed` merged over it for advanced users."""
+    """Our config to DeepSpeed's, with `train.deepspeed` merged over it for advanced users.
+
+    Under bf16 the gradients are accumulated over micro-batches and reduced across ranks in
+    fp32 (`data_types.grad_accum_dtype`, `communication_data_type`): DeepSpeed's default for
+    both is the model dtype, i.e. bf16 sums whose 8-bit mantissa drops small micro-batch
+    contributions. Master weights and Adam moments are fp32 in every ZeRO stage regardless.
+    """
     t = cfg.train
     zero: dict[str, Any] = {"stage": effective_zero_stage(cfg, layout)}
     if t.offload_optimizer:
@@ -208,7 +218,52 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if t.dtype == "bf16":
+        ds["data_types"] = {"grad_accum_dtype": "fp32", "keep_in_fp32_modules": FP32_BUFFERS}
+        ds["communication_data_type"] = "fp32"
+        # ZeRO-1 + fp32 accumulation runs DeepSpeed's BF16_Optimizer. In 0.19.8 its default
+        # path (accumulating in backward_epilogue) overcounted gradients over micro-batches
+        # (norm 2.56 vs 0.94 at 4 micro-batches; tests/test_bf16.py); accumulating from the
+        # gradient hooks is exact, and frees each bf16 gradient as soon as it is added.
+        ds["bf16"]["immediate_grad_update"] = True
     return _merge(ds, t.deepspeed)
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    return [m.gate for m in model.moe_layers()] if hasattr(model, "moe_layers") else []
+
+
+def keep_routing_fp32(model: nn.Module, fp32_router_weights: list[torch.Tensor | None]) -> None:
+    """After `deepspeed.initialize`: routing state back to fp32 (see Router, MoE docstrings).
+
+    Buffers (bias, load counters) are restored in place. The router weights, cast to bf16 by
+    the engine like every parameter, get their fp32 master values: the exact pre-cast values
+    (also written into the optimizer's master copy) where we kept them, else the master copy.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    for m in model.moe_layers() if hasattr(model, "moe_layers") else []:
+        m.keep_routing_state_fp32()
+    for gate, w in zip(routers(model), fp32_router_weights):
+        if gate.weight.dtype == torch.float32:
+            gate.set_fp32_weight(None)
+            continue
+        if w is not None:
+            safe_set_full_fp32_param(gate.weight, w.to(gate.weight.device))
+        else:
+            w = safe_get_full_fp32_param(gate.weight)
+        gate.set_fp32_weight(w if w is not None else gate.weight.detach().float())
+
+
+def refresh_fp32_routers(model: nn.Module) -> None:
+    """Copy the optimizer's fp32 master router weights to the routers (a collective: all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for gate in routers(model):
+        if gate.fp32_weight is not None:
+            w = safe_get_full_fp32_param(gate.weight)
+            if w is not None:
+                gate.set_fp32_weight(w)
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -242,9 +297,14 @@ class Engine:
             for mod, weight in model.weights_read_outside_their_module():
                 deepspeed.zero.register_external_parameter(mod, weight)
         self.ds_config = deepspeed_config(cfg, layout)
+        fp32_routers = [  # exact values, before the engine casts them (none when partitioned)
+            None if hasattr(g.weight, "ds_id") else g.weight.detach().float().clone()
+            for g in routers(model)
+        ]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=self.ds_config
         )
+        keep_routing_fp32(model, fp32_routers)
         self.zero_stage = effective_zero_stage(cfg, layout)
         self._norm: float | None = None
         if self.zero_stage != layout.zero_stage:
@@ -261,6 +321,12 @@ class Engine:
         self.engine.backward(loss)
 
     def step(self) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self._step()
+        if boundary and self.engine.bfloat16_enabled():
+            refresh_fp32_routers(self.model)  # routers read the updated fp32 master weights
+
+    def _step(self) -> None:
         if self.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -345,6 +411,9 @@ class Engine:
         value = value.to(device=p.device, dtype=torch.float32)
         if key is None:
             safe_set_full_fp32_param(p, value)
+            for gate in routers(self.model):
+                if gate.weight is p and gate.fp32_weight is not None:
+                    gate.set_fp32_weight(value)
         else:
             safe_set_full_optimizer_state(p, value, key)
         if not hasattr(p, "ds_id") and not hasattr(p, "_hp_mapping"):  # no ZeRO partitioning

@@ -22,9 +22,10 @@ import yaml
 from llmtrain.accounting import count
 from llmtrain.config import Config
 from llmtrain.data.corpus import DataError
-from llmtrain.data.loader import PackedDataset, batches_for_step, document_mask
+from llmtrain.data.loader import PackedDataset, batches_for_step
 from llmtrain.data.prepare import prepare_data
 from llmtrain.model import build_model, generate
+from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import checkpoint as ckpt
@@ -193,7 +194,7 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
         for mb in micro:
             x, y = train_ds.batch(mb)
             x, y = x.to(device), y.to(device)
-            mask = document_mask(x, eos) if cfg.data.doc_mask else None
+            mask = DocumentMask.from_eos(x, eos) if cfg.data.doc_mask else None
             out = engine(
                 x, labels=y, attention_mask=mask, check_inputs=False
             )  # ids checked once: tokenizer fits
@@ -310,7 +311,9 @@ def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) 
         idx = mine[i : i + layout.micro_batch]
         x, y = ds.batch(idx)
         x, y = x.to(device), y.to(device)
-        out = engine(x, labels=y, attention_mask=document_mask(x, eos) if doc_mask else None)
+        out = engine(
+            x, labels=y, attention_mask=DocumentMask.from_eos(x, eos) if doc_mask else None
+        )
         if valid:  # every rank runs the same forwards (collectives), only whole shares count
             total += torch.tensor(
                 [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
