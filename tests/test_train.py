@@ -51,8 +51,13 @@ def test_single_process_run_outputs(reference):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.zero_stage=2", "parallel.ep_size=2"]]
+    # ZeRO with gradient accumulation (2 micro-batches per rank) in the default suite: it runs
+    # only when DeepSpeed's backward prologue sees the model's output tensors
+    [["parallel.zero_stage=2", "parallel.ep_size=2", "train.micro_batch_size=2"]]
     + [pytest.param(x, marks=pytest.mark.slow) for x in (
+        ["parallel.zero_stage=2", "parallel.ep_size=2"],
+        ["parallel.zero_stage=1", "train.micro_batch_size=2"],
+        ["parallel.zero_stage=3", "parallel.ep_size=2", "train.micro_batch_size=2"],
         ["parallel.zero_stage=1"], ["parallel.zero_stage=2"], ["parallel.zero_stage=3"],
         ["parallel.zero_stage=3", "parallel.ep_size=2"],
         ["parallel.zero_stage=1", "parallel.ep_size=2"])],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,14 +24,37 @@ from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import Experts, MoE
 
 
-@dataclass
-class ModelOutput:
-    logits: torch.Tensor | None  # [B, T, V]; None when labels are given (fused loss), unless asked
-    loss: torch.Tensor | None = None  # lm_loss + aux_loss + mtp weight · mtp_loss
-    lm_loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    mtp_loss: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None  # last residual stream before the final norm
+class ModelOutput(dict):
+    """The forward's results, readable as attributes (`out.loss`) and as a dict.
+
+    Why a dict: DeepSpeed registers its backward prologue (ZeRO's accumulation-boundary flag,
+    BF16_Optimizer's accumulation) as hooks on the output tensors it finds by walking tensors,
+    tuples, lists and dicts (deepspeed/runtime/utils.py `_traverse_and_register_hooks`); a
+    dataclass hides them and the prologue never runs.
+    Fields: logits [B, T, V] (None when labels are given, unless asked), loss (lm_loss + aux_loss
+    + mtp weight · mtp_loss), lm_loss, aux_loss, mtp_loss, hidden (last residual stream before
+    the final norm).
+    """
+
+    FIELDS = ("logits", "loss", "lm_loss", "aux_loss", "mtp_loss", "hidden")
+
+    def __init__(self, logits: torch.Tensor | None = None, **kw: torch.Tensor | None):
+        unknown = set(kw) - set(self.FIELDS)
+        if unknown:
+            raise TypeError(f"ModelOutput has no fields {sorted(unknown)}")
+        super().__init__({f: None for f in self.FIELDS})
+        self.update(logits=logits, **kw)
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.FIELDS:
+            raise AttributeError(f"ModelOutput has no field {name!r}")
+        self[name] = value
 
 
 class DecoderLayer(nn.Module):
