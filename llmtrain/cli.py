@@ -189,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target-loss", type=float, help="compute needed to reach this loss")
     a.add_argument("--params", type=float, help="fixed model size: its compute-optimal tokens")
     a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
-    a.add_argument("--law", default="chinchilla",
-                   help="chinchilla, epoch, krajewski2024[-e16], ludziejewski2025, or a fit JSON")
+    a.add_argument(
+        "--law",
+        default="chinchilla",
+        help="chinchilla, epoch, krajewski2024[-e16], ludziejewski2025, or a fit JSON",
+    )
     a.add_argument(
         "--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family"
     )
@@ -241,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--experts", type=int, nargs="+", help="MoE sweep: experts E per active size")
     sp.add_argument("--granularity", type=int, nargs="+", help="MoE sweep: granularities G")
-    sp.add_argument("--active", type=float, help="MoE sweep: one fixed active size for all budgets")
+    sp.add_argument("--active", type=float, nargs="+", help="MoE sweep: fixed active sizes")
     sr = sw.add_parser("run")
     sr.add_argument("sweep")
     sr.add_argument(

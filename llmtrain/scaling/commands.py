@@ -32,7 +32,9 @@ def allocate(args) -> int:
         return moe_commands.allocate(args)
     for opt in ("experts", "granularity", "memory"):
         if getattr(args, opt, None) is not None:
-            raise ScalingError(f"--{opt} needs an MoE law (--law krajewski2024 or ludziejewski2025)")
+            raise ScalingError(
+                f"--{opt} needs an MoE law (--law krajewski2024 or ludziejewski2025)"
+            )
     law = load_law(args.law)
     if args.target_loss is not None:
         a = law.flops_for_loss(args.target_loss)
@@ -196,7 +198,9 @@ def _report(results: dict, args) -> None:
 def sweep(args) -> int:
     from llmtrain.scaling import sweep as sw
 
-    if args.sweep_cmd == "plan" and (getattr(args, "experts", None) or getattr(args, "granularity", None)):
+    if args.sweep_cmd == "plan" and (
+        getattr(args, "experts", None) or getattr(args, "granularity", None)
+    ):
         from llmtrain.scaling import moe_commands
 
         return moe_commands.sweep_plan(args)  # vary E and G at fixed active size

@@ -353,6 +353,7 @@ class Form:
 
 LOGGED = ("a", "b", "c", "g")
 JOINT = Form("moe-joint", ("a", "delta", "alpha", "gamma", "b", "omega", "beta", "zeta", "c"),
+             # 108 starts (the fit runs on centred logs); interactions start at 0
              {"a": (30.0, 300.0), "b": (30.0, 300.0), "c": (0.5, 1.0, 2.0), "alpha": (-0.1, -0.3, -0.6),
               "beta": (-0.1, -0.3, -0.6), "delta": (0.0,), "gamma": (0.0,), "omega": (0.0,), "zeta": (0.0,)},
              # App. B of Ludziejewski et al. 2025: 3^9 starts
@@ -360,8 +361,8 @@ JOINT = Form("moe-joint", ("a", "delta", "alpha", "gamma", "b", "omega", "beta",
               "alpha": (-0.05, -0.25, -0.5), "beta": (-0.05, -0.25, -0.5), "delta": (-0.5, 0.0, 0.5),
               "gamma": (-0.5, 0.0, 0.5), "omega": (-0.5, 0.0, 0.5), "zeta": (-0.5, 0.0, 0.5)})  # fmt: skip
 GRANULAR = Form("moe-granular", ("g", "gamma", "alpha", "a", "b", "beta", "c"),
-                {"g": (1.0, 10.0), "gamma": (0.3, 1.0), "alpha": (0.1, 0.3, 0.6), "a": (10.0, 100.0),
-                 "b": (10.0, 100.0), "beta": (0.1, 0.3, 0.6), "c": (0.5, 1.0, 2.0)},
+                {"g": (1.0, 10.0), "gamma": (0.3, 1.0), "alpha": (0.1, 0.4), "a": (10.0, 100.0),
+                 "b": (10.0, 100.0), "beta": (0.1, 0.4), "c": (0.5, 1.5)},
                 {"g": (1.0, 3.0, 10.0), "gamma": (0.3, 0.6, 1.0), "alpha": (0.1, 0.3, 0.6),
                  "a": (3.0, 30.0, 300.0), "b": (3.0, 30.0, 300.0), "beta": (0.1, 0.3, 0.6),
                  "c": (0.5, 1.0, 2.0)})  # fmt: skip
@@ -376,9 +377,28 @@ def _from_theta(name, t):
     return math.exp(t) if name in LOGGED else float(t)
 
 
-def design(form: Form, r: MoERuns, E_start: float, E_max: float) -> np.ndarray:
-    """X_KTP: each term's log as a linear function of θ, per run."""
-    lN, lD = np.log(r.n_act), np.log(r.D)
+def centering(form: Form, r: MoERuns) -> tuple[tuple[float, ...], list[tuple[str, str, float]]]:
+    """Fits run on logs centred at the runs' means (far better conditioned); in centred
+    coordinates θc[k] = θ[k] + s·θ[dep] for these (k, dep, s), every other entry unchanged."""
+    mN, mD, mT = (float(np.mean(np.log(x))) for x in (r.n_act, r.D, r.n_total))
+    if form is JOINT:
+        return (mN, mD, mT), [("a", "alpha", mN), ("delta", "gamma", mN), ("b", "beta", mD),
+                              ("omega", "zeta", mD)]  # fmt: skip
+    return (mN, mD, mT), [("g", "alpha", -mT), ("a", "alpha", -mT), ("b", "beta", -mD)]
+
+
+def _shift(form: Form, th, pairs, sign: int):
+    out = np.array(th, dtype=float)
+    for k, dep, s in pairs:
+        out[form.params.index(k)] += sign * s * out[form.params.index(dep)]
+    return out
+
+
+def design(
+    form: Form, r: MoERuns, E_start: float, E_max: float, centers=(0.0, 0.0, 0.0)
+) -> np.ndarray:
+    """X_KTP: each term's log as a linear function of θ, per run (logs minus `centers`)."""
+    lN, lD = np.log(r.n_act) - centers[0], np.log(r.D) - centers[1]
     one, zero = np.ones(len(r)), np.zeros(len(r))
     if form is JOINT:
         e = JointLaw(1, 0, 0, 0, 1, 0, 0, 0, E_start, E_max, 1).ehat(r.experts)
@@ -387,7 +407,7 @@ def design(form: Form, r: MoERuns, E_start: float, E_max: float) -> np.ndarray:
         t1 = [zero, zero, zero, zero, one, le, lD, le * lD, zero]
         t2 = [zero] * 8 + [one]
         return np.array([np.stack(t0, 1), np.stack(t1, 1), np.stack(t2, 1)])
-    lT, lG = np.log(r.n_total), np.log(r.granularity)
+    lT, lG = np.log(r.n_total) - centers[2], np.log(r.granularity)
     t0 = [one, -lG, -lT, zero, zero, zero, zero]  # g·G^-γ·N^-α
     t1 = [zero, zero, -lT, one, zero, zero, zero]  # a·N^-α
     t2 = [zero, zero, zero, zero, one, -lD, zero]  # b·D^-β
@@ -423,7 +443,21 @@ def effect_table(form: Form, law, r: MoERuns) -> list[dict]:
 
 
 def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int = 0,
-            fixed: dict[str, float] | None = None, grid: str = "default",
+            fixed: dict[str, float] | None = None, grid: str | dict = "default",
+            E_start: float = 2.0732, E_max: float = 290.4521) -> dict:  # fmt: skip
+    """Fit `form` to the runs; `fixed` holds parameters at given values (natural units).
+    The joint law's Ê transform keeps E_start and E_max fixed (default: the published ones).
+
+    BLAS runs single-threaded meanwhile: scipy's L-BFGS-B calls BLAS on 9-vectors, and with
+    OpenBLAS threads on a busy machine each iteration took ~9 ms instead of ~0.1 ms."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _fit_moe(r, form, bootstrap, seed, fixed, grid, E_start, E_max)
+
+
+def _fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int = 0,
+            fixed: dict[str, float] | None = None, grid: str | dict = "default",
             E_start: float = 2.0732, E_max: float = 290.4521) -> dict:  # fmt: skip
     """Fit `form` to the runs; `fixed` holds parameters at given values (natural units).
     The joint law's Ê transform keeps E_start and E_max fixed (default: the published ones)."""
@@ -444,10 +478,15 @@ def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int =
             f"{form}: every run has the same {key}, so its effect cannot be "
             f"fitted; vary it or hold {sorted(effect_params)} with --fix"
         )
-    X = design(f, r, E_start, E_max)
+    centers, pairs = centering(f, r)
+    for k, dep, _ in pairs:
+        if k in fixed and dep not in fixed:
+            raise ScalingError(f"holding {k} needs {dep} held too (--fix {k} {dep})")
+    X = design(f, r, E_start, E_max, centers)
     logL = np.log(r.loss)
     idx = [f.params.index(k) for k in free]
-    base = np.array([_to_theta(k, fixed.get(k, 0.0 if k not in LOGGED else 1.0)) for k in f.params])
+    raw = {k: fixed.get(k, 1.0 if k in LOGGED else 0.0) for k in f.params}
+    base = _shift(f, [_to_theta(k, raw[k]) for k in f.params], pairs, +1)
 
     def obj(x, X=X, logL=logL):
         th = base.copy()
@@ -455,11 +494,12 @@ def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int =
         v, g = lse_huber(th, X, logL)
         return v, g[idx]
 
-    grids = f.paper_grid if grid == "paper" else f.grid
+    grids = f.paper_grid if grid == "paper" else f.grid if grid == "default" else {**f.grid, **grid}
     starts = list(itertools.product(*(grids[k] for k in free)))
     best, n_ok = None, 0
     for s in starts:
-        x0 = np.array([_to_theta(k, v) for k, v in zip(free, s)])
+        full = {**raw, **dict(zip(free, s))}
+        x0 = _shift(f, [_to_theta(k, full[k]) for k in f.params], pairs, +1)[idx]
         res = minimize(obj, x0, jac=True, method="L-BFGS-B")
         n_ok += bool(res.success)
         if np.all(np.isfinite(res.x)) and (best is None or res.fun < best.fun):
@@ -471,6 +511,7 @@ def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int =
         best = pol
     th = base.copy()
     th[idx] = best.x
+    th = _shift(f, th, pairs, -1)
     p = {k: _from_theta(k, t) for k, t in zip(f.params, th)}
     law = _law(f, p, E_start, E_max)
     pred = _predict(f, law, r)
@@ -489,6 +530,7 @@ def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int =
                            method="L-BFGS-B", options=TIGHT)  # fmt: skip
             t = base.copy()
             t[idx] = res.x
+            t = _shift(f, t, pairs, -1)
             bp = {k: _from_theta(k, v) for k, v in zip(f.params, t)}
             samples.append([bp[k] for k in free])
             effects.append([e["rel"] for e in effect_table(f, _law(f, bp, E_start, E_max), r)])

@@ -71,15 +71,19 @@ def closest_variant(fam: Family, n_act: float, experts: int, granularity: int, t
             continue
         n = count(c.model, seq_len=c.train.seq_len).active_params
         if best is None or abs(math.log(n / n_act)) < abs(math.log(best[1] / n_act)):
-            best = (c, n)
+            best = (c, n, base)
     if best is None:
         raise ScalingError(f"no member of {fam.path} admits granularity {granularity}")
     return best
 
 
 def config_for(fam: Family, n_act: float, flops: float, experts: int, granularity: int,
-               top_k1: int = 1, hyper: bool = False) -> tuple[Config, dict]:  # fmt: skip
-    cfg, _ = closest_variant(fam, n_act, experts, granularity, top_k1)
+               top_k1: int = 1, hyper: bool = False, base: Config | None = None) -> tuple[Config, dict]:  # fmt: skip
+    """The (E, G) variant of `base` (default: the member nearest `n_act`) trained for `flops`."""
+    if base is None:
+        cfg = closest_variant(fam, n_act, experts, granularity, top_k1)[0]
+    else:
+        cfg = variant(base, experts, granularity, top_k1)
     cfg, info = training_config(_Member(cfg), n_act, flops, hyper=hyper)
     c = count(cfg.model, seq_len=cfg.train.seq_len)
     info.update(experts=experts, granularity=granularity, top_k=cfg.model.num_experts_per_tok,
@@ -90,8 +94,8 @@ def config_for(fam: Family, n_act: float, flops: float, experts: int, granularit
 
 def plan_moe(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 1,
              spread: float = 4.0, experts=None, granularities=None, hyper: bool = False,
-             center_factor: float = 1.0, active: float | None = None) -> dict:  # fmt: skip
-    """Per budget: `sizes` active sizes around the law's N_opt (or exactly `active`), and at each
+             center_factor: float = 1.0, active: list[float] | None = None) -> dict:  # fmt: skip
+    """Per budget: `sizes` active sizes around the law's N_opt (or the `active` ones), and at each
     size every (E, G) of the family's `moe:` section (or the ones given)."""
     if not budgets or any(b <= 0 for b in budgets):
         raise ScalingError("give one or more positive FLOP budgets")
@@ -104,14 +108,15 @@ def plan_moe(budgets: list[float], family: str, out: Path, law: Law, sizes: int 
     runs, seen = [], set()
     for c in sorted(budgets):
         if active:
-            targets = [active]
+            targets = list(active)
         else:
             center = law.allocate(c)["n_opt"] * center_factor
             targets = center * spread ** np.linspace(-0.5, 0.5, sizes) if sizes > 1 else [center]
         for n in targets:
-            for E in experts:
+            base = closest_variant(fam, float(n), experts[0], granularities[0], top_k1)[2]
+            for E in experts:  # one family member per target: the same width for every (E, G)
                 for G in granularities:
-                    cfg, info = config_for(fam, float(n), c, E, G, top_k1, hyper)
+                    cfg, info = config_for(fam, float(n), c, E, G, top_k1, hyper, base)
                     key = (c, cfg.model.hidden_size, E, G)
                     if key in seen:
                         continue
