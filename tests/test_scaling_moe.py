@@ -306,3 +306,28 @@ def test_cli_fit_from_csv_with_plot(tmp_path, capsys):
     fit = json.loads(js.read_text())
     assert fit["params"]["gamma"] == truth.gamma
     assert fit["params"]["alpha"] == pytest.approx(truth.alpha, abs=0.02)
+
+
+def test_run_directories_give_experts_granularity_and_total(tmp_path):
+    """Run directories (config.yaml + metrics.jsonl, as the trainer writes them) are read with
+    scaling.io, plus E, G and total parameters from the config."""
+    from llmtrain.accounting import count
+    from llmtrain.scaling.family import Family, write_config
+    from llmtrain.scaling.moe import load_moe_runs
+    from llmtrain.scaling.moe_sweep import closest_variant, variant
+
+    fam = Family(MOE_FAMILY)
+    base = closest_variant(fam, 5e4, 1, 1)[2]
+    for E, G in ((1, 1), (4, 2), (16, 1)):
+        cfg = variant(base, E, G)
+        cfg.train.max_steps, cfg.train.warmup_steps = 3, 1
+        rd = tmp_path / f"E{E}G{G}"
+        write_config(cfg, rd / "config.yaml")
+        recs = [{"step": s, "loss": 5.0 - s - E / 100} for s in (1, 2, 3)]
+        (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = load_moe_runs([str(tmp_path)])
+    assert len(r) == 3 and sorted(r.experts.tolist()) == [1, 4, 16]
+    assert sorted(r.granularity.tolist()) == [1, 1, 2]
+    e16 = variant(base, 16, 1)
+    assert r.n_total[r.experts == 16][0] == count(e16.model, seq_len=e16.train.seq_len).total_params
+    assert np.all(r.n_act < r.n_total * 1.0001)

@@ -84,6 +84,8 @@ def allocate(args) -> int:
     _row("granularity / top-k", f"{a['granularity']:g} / {a['top_k']:g}")
     _row("predicted loss", f"{a['loss']:.4f}")
     _row("6·N_act·D", f"{a['c_6nd']:.4g} FLOPs")
+    if "flops_per_token" in a:  # Krajewski's FLOPs model counts the router
+        _row("FLOPs/token (law)", f"{a['flops_per_token']:.4g} vs 6·N_act {6 * a['n_act']:.4g}")
     print(f"  method: {a['method']}")
     for r in a.get("per_experts", []):
         bound = " (memory-bound)" if r.get("memory_bound") else ""
