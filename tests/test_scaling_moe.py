@@ -331,3 +331,21 @@ def test_run_directories_give_experts_granularity_and_total(tmp_path):
     e16 = variant(base, 16, 1)
     assert r.n_total[r.experts == 16][0] == count(e16.model, seq_len=e16.train.seq_len).total_params
     assert np.all(r.n_act < r.n_total * 1.0001)
+
+
+def test_sweep_collect_keeps_experts_for_the_moe_fit(tmp_path):
+    from llmtrain.scaling.moe import read_moe_csv
+    from llmtrain.scaling.moe_sweep import plan_moe
+    from llmtrain.scaling.sweep import collect
+
+    m = plan_moe(
+        [3e11], str(MOE_FAMILY), tmp_path, Law(1.5, 400, 400, 0.34, 0.28), experts=[1, 4, 16]
+    )
+    for r in m["runs"]:  # fake finished runs, as sweep.is_finished and collect read them
+        rd = tmp_path / r["run_dir"]
+        (rd / "checkpoints").mkdir(parents=True)
+        (rd / "checkpoints" / "latest").write_text(f"step_{r['steps']:08d}")
+        (rd / "metrics.jsonl").write_text(json.dumps({"step": r["steps"], "loss": 4.0}) + "\n")
+    runs = read_moe_csv(collect(tmp_path))
+    assert sorted(runs.experts.tolist()) == [1, 4, 16]
+    assert runs.n_total.max() > runs.n_act.max() * 2
