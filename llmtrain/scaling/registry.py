@@ -139,11 +139,13 @@ REGISTRY: dict[str, LawSpec] = {
     ),
 }  # fmt: skip
 
-# Abnar et al. 2025 (arXiv 2501.12370), "Parameters vs FLOPs": its sparsity law's fitted
-# coefficients could not be retrieved (only the paper's first page is stored), so it is not
-# registered; nothing here is guessed.
+# Abnar et al. 2025 (arXiv 2501.12370), "Parameters vs FLOPs": a secondary summary gives its form,
+# L(N, D, S) = a/N^α + b/D^β + c/(1−S)^λ + d/((1−S)^δ·N^γ) + e with sparsity S = (E − K)/E, but
+# its fitted coefficients (App. F) could not be retrieved, so it is not registered: nothing here
+# is guessed.
 NOT_REGISTERED = {
-    "abnar2025": "Abnar et al. 2025, arXiv 2501.12370: coefficients of the sparsity law not found"
+    "abnar2025": "Abnar et al. 2025, arXiv 2501.12370: the sparsity law's coefficients (App. F) "
+    "could not be retrieved"
 }
 
 
