@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import brentq, minimize, minimize_scalar
 
-from llmtrain.scaling.fit import DELTA, TIGHT, Runs, check_runs
+from llmtrain.scaling.fit import DELTA, TIGHT, Runs, check_runs, group_budgets
 from llmtrain.scaling.laws import Law, ScalingError
 from llmtrain.scaling.registry import get_spec
 
@@ -566,12 +566,17 @@ def plot_vs_experts(r: MoERuns, res: dict, out: Path) -> Path:
     law = res["law"]
     key = "experts" if f is JOINT else "granularity"
     x = getattr(r, key)
-    groups = sorted({(float(f"{n:.3g}"), float(f"{d:.3g}")) for n, d in zip(r.n_act, r.D)})
+    # "fixed active size": sizes (and token counts) within 5 % are one group; E moves the router
+    key_T = group_budgets(r.n_act) * (len(r) + 1) + group_budgets(r.D)
+    groups = [key_T == k for k in np.unique(key_T)]
     fig, ax = plt.subplots(figsize=(7.5, 5))
     cmap = plt.get_cmap("viridis")
     xs = np.logspace(0, np.log10(max(2.0, x.max()) * 1.5), 80)
-    for j, (n, d) in enumerate(groups):
-        sel = (np.abs(r.n_act / n - 1) < 0.01) & (np.abs(r.D / d - 1) < 0.01)
+    for j, sel in enumerate(groups):
+        n, d = (
+            float(np.exp(np.mean(np.log(r.n_act[sel])))),
+            float(np.exp(np.mean(np.log(r.D[sel])))),
+        )
         col = cmap(j / max(1, len(groups) - 1))
         ax.scatter(x[sel], r.loss[sel], color=col, s=24, zorder=3,
                    label=f"N_act={n:.3g}, D={d:.3g}")  # fmt: skip
