@@ -169,7 +169,20 @@ def fit(args) -> int:
 def sweep_plan(args) -> int:
     from llmtrain.scaling.moe_sweep import plan_moe
 
-    m = plan_moe(args.budgets, args.family, Path(args.out), load_law(args.law), args.sizes,
+    from llmtrain.scaling.registry import is_moe_law
+
+    if is_moe_law(args.law):  # centre on the joint law's N_act at the smallest E planned
+        from llmtrain.scaling.moe import JointLaw, load_moe_law
+
+        moe_law = load_moe_law(args.law)
+        if not isinstance(moe_law, JointLaw):
+            raise ScalingError(
+                f"sweep plan centres sizes on a dense law or ludziejewski2025, not {args.law}"
+            )
+        law = moe_law.reduced(min(args.experts or [1]))
+    else:
+        law = load_law(args.law)
+    m = plan_moe(args.budgets, args.family, Path(args.out), law, args.sizes,
                  args.spread, args.experts, args.granularity, args.hyper, args.center_factor,
                  args.active)  # fmt: skip
     for r in m["runs"]:
