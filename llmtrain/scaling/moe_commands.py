@@ -168,7 +168,6 @@ def fit(args) -> int:
 
 def sweep_plan(args) -> int:
     from llmtrain.scaling.moe_sweep import plan_moe
-
     from llmtrain.scaling.registry import is_moe_law
 
     if is_moe_law(args.law):  # centre on the joint law's N_act at the smallest E planned
