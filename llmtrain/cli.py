@@ -283,12 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target-loss", type=float, help="compute needed to reach this loss")
     a.add_argument("--params", type=float, help="fixed model size: its compute-optimal tokens")
     a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
-    a.add_argument("--law", default="chinchilla", help="chinchilla, epoch, or a fit JSON")
+    a.add_argument(
+        "--law",
+        default="chinchilla",
+        help="chinchilla, epoch, krajewski2024[-e16], ludziejewski2025, or a fit JSON",
+    )
     a.add_argument(
         "--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family"
     )
     a.add_argument("--out", help="where --to-config writes (default allocated.yaml)")
     a.add_argument("--json", action="store_true")
+    a.add_argument("--experts", type=int, help="MoE laws: number of experts E (expansion)")
+    a.add_argument("--granularity", type=int, help="krajewski2024: fix the granularity G")
+    a.add_argument("--memory", type=float, metavar="GB", help="ludziejewski2025: memory limit")
+    a.add_argument("--kv-tokens", type=int, default=16384, help="with --memory: KV-cache tokens")
     a.set_defaults(func=_scaling("allocate"))
     f = sc.add_parser("fit", help="fit scaling laws to runs (CSV files and/or run directories)")
     f.add_argument("runs", nargs="+")
@@ -308,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--intermediate", action="store_true", help="approach 1: use mid-schedule checkpoints too"
     )
+    f.add_argument("--law", choices=["moe-joint", "moe-granular"], help="fit an MoE law instead")
+    f.add_argument("--fix", nargs="+", metavar="NAME[=VALUE]", help="MoE laws: hold parameters")
+    f.add_argument("--grid", choices=["default", "paper"], default="default", help="MoE start grid")
+    for col in ("active", "total", "experts", "granularity"):
+        f.add_argument(f"--{col}-col", default=None, help=f"MoE laws: the {col} column")
     f.set_defaults(func=_scaling("fit"))
     sw = sc.add_parser("sweep", help="IsoFLOP sweeps: plan | run | collect").add_subparsers(
         dest="sweep_cmd", required=True
@@ -323,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--center-factor", type=float, default=1.0, help="centre sizes on this x the law's N_opt"
     )
+    sp.add_argument("--experts", type=int, nargs="+", help="MoE sweep: experts E per active size")
+    sp.add_argument("--granularity", type=int, nargs="+", help="MoE sweep: granularities G")
+    sp.add_argument("--active", type=float, nargs="+", help="MoE sweep: fixed active sizes")
     sr = sw.add_parser("run")
     sr.add_argument("sweep")
     sr.add_argument(

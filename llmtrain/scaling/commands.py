@@ -24,6 +24,17 @@ def _print_allocation(a: dict, law) -> None:
 
 
 def allocate(args) -> int:
+    from llmtrain.scaling.registry import is_moe_law
+
+    if is_moe_law(args.law):  # krajewski2024*, ludziejewski2025: see moe_commands
+        from llmtrain.scaling import moe_commands
+
+        return moe_commands.allocate(args)
+    for opt in ("experts", "granularity", "memory"):
+        if getattr(args, opt, None) is not None:
+            raise ScalingError(
+                f"--{opt} needs an MoE law (--law krajewski2024 or ludziejewski2025)"
+            )
     law = load_law(args.law)
     if args.target_loss is not None:
         a = law.flops_for_loss(args.target_loss)
@@ -72,6 +83,10 @@ def allocate(args) -> int:
 
 
 def fit(args) -> int:
+    if getattr(args, "law", None):  # moe-joint | moe-granular: see moe_commands
+        from llmtrain.scaling import moe_commands
+
+        return moe_commands.fit(args)
     from llmtrain.scaling.fit import fit_approach1, fit_approach2, fit_approach3
     from llmtrain.scaling.io import load_runs
 
@@ -183,6 +198,12 @@ def _report(results: dict, args) -> None:
 def sweep(args) -> int:
     from llmtrain.scaling import sweep as sw
 
+    if args.sweep_cmd == "plan" and (
+        getattr(args, "experts", None) or getattr(args, "granularity", None)
+    ):
+        from llmtrain.scaling import moe_commands
+
+        return moe_commands.sweep_plan(args)  # vary E and G at fixed active size
     if args.sweep_cmd == "plan":
         m = sw.plan(
             args.budgets,

@@ -124,6 +124,8 @@ def collect(sweep: Path, out_csv: Path | None = None) -> Path:
         loss = last.get("val_loss", last["loss"])
         rows.append({"N": r["active_params"], "D": r["tokens"], "C": r["flops_per_token"] * r["tokens"],
                      "loss": loss, "budget": r["budget"], "run": r["name"]})  # fmt: skip
+        moe_cols = ("active_params", "total_params", "experts", "granularity", "top_k")
+        rows[-1].update({k: r[k] for k in moe_cols if "experts" in r})  # MoE sweeps (moe_sweep)
     if not rows:
         raise ScalingError(
             f"no finished runs in {sweep}; run `llmtrain scaling sweep run {sweep}` first"
