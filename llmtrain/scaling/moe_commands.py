@@ -147,6 +147,8 @@ def fit(args) -> int:
             if k in res["fixed"]
             else (f"  [{ci[k][0]:.4g}, {ci[k][1]:.4g}]" if k in ci else "")
         )
+        if k in ci and ci[k][1] - ci[k][0] <= 1e-6 * abs(v):
+            tag += "  (not identified: no resample moved it)"
         print(f"  {k:<6} {v:>10.4g}{tag}")
     if "E_start" in res:
         print(
