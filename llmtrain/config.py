@@ -17,13 +17,15 @@ from typing import Any
 
 import yaml
 
+from llmtrain.errors import LlmtrainError
+
 ROPE_TYPES = ("default", "yarn")
 SCORING_FUNCS = ("sigmoid", "softmax")
 ATTN_BACKENDS = ("auto", "sdpa", "flash", "reference")
 MOE_IMPLS = ("auto", "grouped_mm", "loop")
 
 
-class ConfigError(ValueError):
+class ConfigError(LlmtrainError, ValueError):
     """A config value is wrong; the message names the field and what to change."""
 
 

@@ -13,10 +13,12 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
+
 BUILTIN_STDLIB = "builtin:stdlib"
 
 
-class DataError(ValueError):
+class DataError(LlmtrainError, ValueError):
     """Bad data input: the message says which path or field and what to change."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.config import ModelConfig, load_config
+from llmtrain.errors import LlmtrainError
 from llmtrain.hf import hf_config_from_model, state_dict_to_hf
 from llmtrain.tensor_io import ShardWriter, TensorFileError, read_header, read_tensors, tensor_files
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 FP32_KEYS = ("mlp.gate.weight", "e_score_correction_bias")  # transformers keeps these in fp32
 
 
-class ExportError(RuntimeError):
+class ExportError(LlmtrainError, RuntimeError):
     pass
 
 

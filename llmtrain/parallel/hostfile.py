@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
+
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)\s+slots=(?P<slots>\d+)$")
 
 
-class HostfileError(ValueError):
+class HostfileError(LlmtrainError, ValueError):
     pass
 
 
