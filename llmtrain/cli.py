@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -155,8 +156,9 @@ def _scaling(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
+    p = _Parser(prog="llmtrain", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also LLMTRAIN_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("count", help="parameters, FLOPs, KV cache and memory from a config alone")
@@ -277,6 +279,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Console entry point: every failure is one line on stderr and a non-zero exit.
+
+    Our own errors (`LlmtrainError`) and OS/path errors exit 2 with their message; anything else
+    is a bug and exits 1 with its type and a hint. `--debug` (anywhere on the line) or
+    LLMTRAIN_DEBUG=1 re-raises instead, with the traceback. A reader that closes our stdout early
+    (`llmtrain count ... | head -4`) is not an error: the rest of the output is dropped, exit 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LLMTRAIN_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    cmd = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        rc = _run(argv, debug)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return 0
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"llmtrain {cmd}: interrupted".replace("  ", " "), file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "), file=sys.stderr)
+        return 2 if is_user_error(e) else 1
+
+
+def _run(argv: list[str], debug: bool) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     bad = [e for e in extra if "=" not in e or e.startswith("-") or not hasattr(args, "overrides")]
@@ -285,33 +320,61 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.DEBUG if debug else logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.cmd == "train":
         logging.getLogger("llmtrain").setLevel(logging.INFO)
+    return args.func(args)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so Python's exit-time flush does not raise again."""
     try:
-        return args.func(args)
-    except Exception as e:
-        if not isinstance(e, _user_errors()):
-            raise
-        print(f"llmtrain {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
-def _user_errors() -> tuple[type, ...]:
-    """Errors that carry a message for the user (no traceback): bad config, data, input."""
-    from llmtrain.data.corpus import DataError
-    from llmtrain.export import ExportError
-    from llmtrain.export.hub import HubError
-    from llmtrain.parallel.hostfile import HostfileError
-    from llmtrain.scaling.laws import ScalingError
-    from llmtrain.tensor_io import TensorFileError
-    from llmtrain.train.checkpoint import CheckpointError
-    from llmtrain.train.loop import TrainingError
+def is_user_error(e: BaseException) -> bool:
+    """Errors that carry a message the user can act on: ours, bad values, paths and disks."""
+    from llmtrain.errors import LlmtrainError
 
-    return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,
-            ScalingError, HostfileError, ExportError, HubError, TensorFileError)  # fmt: skip
+    return isinstance(e, (LlmtrainError, ValueError, OSError))
+
+
+def describe_error(e: BaseException) -> str:
+    """One line saying what is wrong and what to do (no traceback)."""
+    from llmtrain.errors import LlmtrainError
+
+    if isinstance(e, LlmtrainError) or (isinstance(e, ValueError) and str(e)):
+        msg = str(e)
+    elif isinstance(e, OSError):
+        what = (
+            f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
+        )
+        hint = {
+            errno.ENOSPC: "free disk space or write elsewhere",
+            errno.EACCES: "check the permissions or choose another path",
+            errno.ENOTDIR: "a parent of the path is a file; choose another path",
+            errno.ENOENT: "check the path",
+            errno.EISDIR: "give a file, not a directory",
+        }.get(e.errno, "check the path")
+        msg = f"{what}; {hint}"
+    else:
+        msg = (
+            f"internal error {type(e).__name__}: {e} (this is a bug; rerun with --debug for the "
+            "traceback and report it)"
+        )
+    return " ".join(msg.split()) or type(e).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: no usage block, a pointer to --help instead."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 if __name__ == "__main__":
