@@ -10,20 +10,20 @@ import os
 import sys
 from pathlib import Path
 
-from llmtrain.config import ConfigError, ModelConfig, load_config
+from llmtrain.config import ModelConfig, load_config
 
 
 def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, int | None]:
     """Our YAML (with overrides) or a Hugging Face config.json; returns (model, train seq_len)."""
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        p = p / "config.yaml"  # one of our checkpoints
+    elif p.is_dir():
         p = p / "config.json"
     if p.suffix == ".json":
-        from llmtrain.hf import model_config_from_hf
+        from llmtrain.hf import model_config_from_hf, read_hf_config
 
-        if not p.is_file():
-            raise ConfigError(f"{p} does not exist")
-        return model_config_from_hf(json.loads(p.read_text())), None
+        return model_config_from_hf(read_hf_config(p)), None
     cfg = load_config(p, overrides)
     return cfg.model, cfg.train.seq_len
 
@@ -109,6 +109,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llmtrain.export import export
 
     if args.push_only is None:
+        from llmtrain.errors import UsageError
+
+        if not args.checkpoint or not args.out:
+            raise UsageError(
+                "give a checkpoint or run directory and --out DIR (or --push-only DIR)"
+            )
         out = export(args.checkpoint, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
                      overwrite=args.overwrite, law=args.law, license=args.license)  # fmt: skip
         print(f"exported to {out}")
@@ -206,10 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--plot", metavar="OUT.png")
     f.add_argument("--json", action="store_true")
     f.add_argument("--out", metavar="FIT.json", help="also write the fit (readable by --law)")
-    f.add_argument("--n-col", default="N")
-    f.add_argument("--d-col", default="D")
-    f.add_argument("--c-col", default="C")
-    f.add_argument("--loss-col", default="loss")
+    f.add_argument("--n-col", help="parameters column (default: N, params, parameters ...)")
+    f.add_argument("--d-col", help="tokens column (default: D, tokens, data ...)")
+    f.add_argument("--c-col", help="compute column (default: C, flops, compute ...)")
+    f.add_argument("--loss-col", help="loss column (default: loss, val_loss ...)")
     f.add_argument(
         "--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points"
     )
@@ -289,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LLMTRAIN_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    cmd = next((a for a in argv if not a.startswith("-")), "")
+    words = [a for a in argv if not a.startswith("-")]
+    depth = 3 if words[:2] == ["scaling", "sweep"] else 2 if words[:1] == ["scaling"] else 1
+    cmd = " ".join(words[:depth])
     try:
         rc = _run(argv, debug)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit

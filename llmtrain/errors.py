@@ -53,3 +53,11 @@ def ensure_dir(path, what: str = "output directory"):
             f"cannot create {what} {p}: {e.strerror or e}; choose a writable path"
         ) from e
     return p
+
+
+class MissingFileError(LlmtrainError, FileNotFoundError):
+    """An input file or directory we need is not there; the message names it and what to give."""
+
+
+class WeightsMismatchError(LlmtrainError, ValueError):
+    """Weights do not fit the model their config describes (missing, extra or mis-shaped)."""
