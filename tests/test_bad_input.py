@@ -335,7 +335,7 @@ SCALING_CASES = [
     ("hostfile-twice", {"h": "node1 slots=1\nnode1 slots=2\n"}, ["hostfile", "{h}"], ("twice",)),
     ("hostfile-empty", {"h": "# nothing\n"}, ["hostfile", "{h}"], ("no hosts",)),
     ("hostfile-missing", {}, ["hostfile", "{tmp}/nohosts"], ("does not exist",)),
-    ("hostfile-binary", {"h": b"\xff\xfe\x00node"}, ["hostfile", "{h}"], ("hostfile",)),
+    ("hostfile-binary", {"h": b"\xff\xfe\x00node"}, ["hostfile", "{h}"], ("not UTF-8",)),
 ]  # fmt: skip
 
 

@@ -85,7 +85,12 @@ def _iter_file(f: Path, text_field: str) -> Iterator[tuple[str, str]]:
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(f)
+        try:
+            table = pq.read_table(f)
+        except (OSError, ValueError) as e:  # pyarrow: empty, truncated or not parquet at all
+            raise DataError(
+                f"{f} is not a readable parquet file ({e}); rewrite it or drop it from data.sources"
+            ) from e
         if text_field not in table.column_names:
             raise DataError(f"{f}: no column {text_field!r}; columns are {table.column_names}")
         for i, t in enumerate(table.column(text_field).to_pylist()):
