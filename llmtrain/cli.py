@@ -37,8 +37,19 @@ def _fmt(n: float) -> str:
 
 def cmd_count(args: argparse.Namespace) -> int:
     from llmtrain.accounting import count, memory_per_rank
+    from llmtrain.errors import UsageError
 
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: give a positive context length")
+    if args.world_size < 0 or args.ep_size < 1:
+        raise UsageError("--world-size must be >= 0 and --ep-size >= 1")
     model_cfg, seq_len = _load_model_config(args.config, args.overrides)
+    if args.world_size and (args.world_size % args.ep_size
+                            or model_cfg.n_routed_experts % args.ep_size):  # fmt: skip
+        raise UsageError(
+            f"--ep-size {args.ep_size} must divide --world-size {args.world_size} and the "
+            f"{model_cfg.n_routed_experts} routed experts"
+        )
     c = count(model_cfg, seq_len=args.seq_len or seq_len, kv_dtype=args.kv_dtype)
     mem = None
     if args.world_size:

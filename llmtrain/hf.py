@@ -390,6 +390,10 @@ def from_pretrained(
         )
     hf_cfg = read_hf_config(path)
     cfg = model_config_from_hf(hf_cfg)
+    if not any(path.glob("*.safetensors")):  # before building a possibly huge model
+        raise MissingFileError(
+            f"{path} holds no *.safetensors weights; copy the model's weights there"
+        )
     if mtp:
         cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
     model = build_model(cfg, device="meta")

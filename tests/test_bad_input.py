@@ -129,6 +129,8 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("heads-dont-divide", {}, ["count", DEBUG, "model.num_heads=5"], ("model.num_heads",)),
     ("zero3-with-ep", {}, ["count", DEBUG, "parallel.zero_stage=3", "parallel.ep_size=2"], ("zero_stage=3",)),
     ("unknown-flag", {}, ["count", DEBUG, "--bogus"], ("--bogus", "--help")),
+    ("count-negative-seq-len", {}, ["count", DEBUG, "--seq-len", "0"], ("--seq-len",)),
+    ("count-impossible-ep", {}, ["count", DEBUG, "--world-size", "4", "--ep-size", "3"], ("--ep-size 3",)),
     ("seq-len-too-long", {}, ["count", DEBUG, "train.seq_len=4096"], ("max_position_embeddings",)),
     # Hugging Face configs that are not DeepSeek's
     ("hf-no-model-type", {"h/config.json": json.dumps({"hidden_size": 64, "vocab_size": 10})},
