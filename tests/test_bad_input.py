@@ -380,8 +380,8 @@ def _tokenizer_too_big(path: Path) -> Path:
 NOT_UTF8 = b'{"text": "\xff\xfe"}\n' + bytes(8)
 TRAIN_CASES = {
     "missing-file": (lambda t: [f"data.sources=[{t}/missing.txt]"], ("missing.txt",)),
-    "empty-file": (lambda t: [f"data.sources=[{_write(t / 'e.txt', '')}]"], ("no training text",)),
-    "empty-dir": (lambda t: [f"data.sources=[{(t / 'd').mkdir() or t / 'd'}]"], ("holds no files",)),
+    "empty-file": (lambda t: [f"data.sources=[{_write(t / 'e.txt', '')}]"], ("no training text", "e.txt")),
+    "empty-dir": (lambda t: [f"data.sources=[{(t / 'd').mkdir() or t / 'd'}]"], ("holds no files", "no training text", "/d")),
     "binary-file": (lambda t: [f"data.sources=[{_write(t / 'b.txt', bytes(range(256)) * 8)}]"], ("b.txt",)),
     "jsonl-not-json": (lambda t: [f"data.sources=[{_write(t / 'x.jsonl', 'not json' + chr(10))}]"], ("x.jsonl",)),
     "jsonl-no-text-field": (lambda t: [f"data.sources=[{_write(t / 'x.jsonl', json.dumps({'body': 'hi'}) + chr(10))}]"], ("text",)),
@@ -399,6 +399,8 @@ TRAIN_CASES = {
 
 @pytest.mark.parametrize("name", list(TRAIN_CASES))
 def test_train_bad_data(tmp_path, capsys, one_process_env, name):
+    """Data problems: whether a bad record is fatal or skipped and counted, a source with nothing
+    usable ends the run with one error line naming it (any of `needles`)."""
     make, needles = TRAIN_CASES[name]
     over = make(tmp_path)
     argv = ["train", DEBUG, "--run-dir", str(tmp_path / "run"), "train.max_steps=2",
