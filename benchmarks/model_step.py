@@ -2,8 +2,16 @@
 
 Same config, same weights, same batch, same optimizer, in the same run; each model is timed in
 its own child process (so peak memory is its own) and the runs alternate to spread machine
-noise. Prints a table and writes JSON with tokens/s, the ratio, achieved GFLOP/s, MFU against a
-1024³ matmul measured in this run, and peak memory.
+noise. Two comparisons:
+
+- training step (the headline): each model through its own loss path, as its users train it.
+  Ours: `model(x, labels=y).lm_loss` (fused, chunked head + cross-entropy). transformers:
+  `model(input_ids=x, labels=x).loss` (its ForCausalLMLoss: fp32 logits, shift, cross-entropy).
+- body only: both models' `.logits`, then the same `cross_entropy(logits.float(), y)` outside,
+  so the difference is the decoder itself (attention, MoE), not the loss head.
+
+Prints both tables and ratios and writes JSON with tokens/s, ratios, achieved GFLOP/s, MFU
+against a 1024³ matmul measured in this run, and peak memory.
 
     .venv/bin/python benchmarks/model_step.py [--config configs/bench_28m.yaml] [--steps 8]
 """
@@ -44,7 +52,19 @@ def matmul_ceiling(dtype=torch.float32, n: int = 1024, reps: int = 20) -> float:
     return 2 * n**3 / best
 
 
-def _child(kind: str, hf_dir: str, batch: int, seq: int, steps: int, threads: int, q) -> None:
+def _loss(kind: str, path: str, model, x, y, vocab: int) -> torch.Tensor:
+    """One forward to the scalar loss. `path`: "loss" = the model's own labels= path, "body" =
+    plain logits + the same outside cross-entropy for both models."""
+    if path == "loss":
+        if kind == "ours":
+            return model(x, labels=y).lm_loss  # fused head + cross-entropy
+        return model(input_ids=x, labels=x).loss  # transformers shifts labels itself
+    logits = model(x).logits if kind == "ours" else model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+
+
+def _child(kind: str, path: str, hf_dir: str, batch: int, seq: int, steps: int, threads: int,
+           q) -> None:  # fmt: skip
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     if kind == "ours":
@@ -64,13 +84,7 @@ def _child(kind: str, hf_dir: str, batch: int, seq: int, steps: int, threads: in
     times, losses = [], []
     for i in range(steps + 2):
         t = time.perf_counter()
-        if kind == "ours":
-            loss = model(x, labels=y).lm_loss  # fused head + cross-entropy
-        else:
-            logits = model(input_ids=x).logits
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, vocab), y.reshape(-1)
-            )
+        loss = _loss(kind, path, model, x, y, vocab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -82,10 +96,10 @@ def _child(kind: str, hf_dir: str, batch: int, seq: int, steps: int, threads: in
     q.put({"kind": kind, "times": times, "losses": losses, "peak_rss": peak, "base_rss": base})
 
 
-def run_child(kind, hf_dir, batch, seq, steps, threads):
+def run_child(kind, path, hf_dir, batch, seq, steps, threads):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, hf_dir, batch, seq, steps, threads, q))
+    p = ctx.Process(target=_child, args=(kind, path, hf_dir, batch, seq, steps, threads, q))
     p.start()
     out = q.get()
     p.join()
@@ -122,17 +136,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ceiling = matmul_ceiling()
     flops_tok = count(mc, seq_len=seq).flops_per_token
-    runs: dict[str, list] = {"ours": [], "hf": []}
+    variants = [("ours", "loss"), ("hf", "loss"), ("ours", "body"), ("hf", "body")]
+    runs: dict[tuple, list] = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for kind in ("ours", "hf"):
-            runs[kind].append(run_child(kind, tmp, batch, seq, args.steps, args.threads))
+        for kind, path in variants:
+            runs[kind, path].append(
+                run_child(kind, path, tmp, batch, seq, args.steps, args.threads)
+            )
     ceiling = max(ceiling, matmul_ceiling())
 
     rows = {}
-    for kind, rs in runs.items():
+    for (kind, path), rs in runs.items():
         step = statistics.median(t for r in rs for t in r["times"])
         tok_s = batch * seq / step
-        rows[kind] = {
+        rows[f"{kind}_{path}"] = {
             "step_s": step,
             "tokens_per_s": tok_s,
             "gflops": tok_s * flops_tok / 1e9,
@@ -140,22 +157,30 @@ def main() -> None:
             "peak_rss_mib": max(r["peak_rss"] for r in rs) / 2**20,
             "step_mem_mib": max(r["peak_rss"] - r["base_rss"] for r in rs) / 2**20,
             "first_loss": rs[0]["losses"][0],
+            "median_step_per_round": [statistics.median(r["times"]) for r in rs],
         }
-    ratio = rows["ours"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
-    mem_ratio = rows["ours"]["peak_rss_mib"] / rows["hf"]["peak_rss_mib"]
+
+    def ratio(path: str, key: str = "tokens_per_s") -> float:
+        return rows[f"ours_{path}"][key] / rows[f"hf_{path}"][key]
+
     print(f"config {args.config}: batch {batch} x seq {seq}, {count(mc).total_params / 1e6:.1f}M params, "
           f"{flops_tok / 1e6:.1f} MFLOP/token, {args.threads} threads")  # fmt: skip
     print(f"fp32 matmul ceiling (1024^3, same run): {ceiling / 1e9:.1f} GFLOP/s")
+    print("loss path: ours = labels= (fused head + CE); hf = labels= (ForCausalLMLoss); "
+          "body: .logits + the same cross_entropy for both")  # fmt: skip
     print(
-        f"{'model':<6} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>9} {'MFU':>6} {'peak MiB':>9} {'step MiB':>9} {'loss0':>8}"
+        f"{'variant':<10} {'step s':>8} {'tok/s':>9} {'GFLOP/s':>9} {'MFU':>6} {'peak MiB':>9} {'step MiB':>9} {'loss0':>8}"
     )
     for k, r in rows.items():
-        print(f"{k:<6} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} {r['gflops']:>9.1f} {r['mfu']:>6.1%} "
+        print(f"{k:<10} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} {r['gflops']:>9.1f} {r['mfu']:>6.1%} "
               f"{r['peak_rss_mib']:>9.0f} {r['step_mem_mib']:>9.0f} {r['first_loss']:>8.4f}")  # fmt: skip
-    for kind, rs in runs.items():
-        per = ", ".join(f"{statistics.median(r['times']):.3f}" for r in rs)
-        print(f"  {kind} median step per round: {per}")
-    print(f"speed ratio ours/hf: {ratio:.2f}x   peak-memory ratio ours/hf: {mem_ratio:.2f}")
+        print(
+            f"  median step per round: {', '.join(f'{t:.3f}' for t in r['median_step_per_round'])}"
+        )
+    print(f"training-step speed ratio ours/hf (each its own labels= loss): {ratio('loss'):.2f}x   "
+          f"peak-memory ratio: {ratio('loss', 'peak_rss_mib'):.2f}")  # fmt: skip
+    print(f"body-only speed ratio ours/hf (logits + the same cross-entropy): {ratio('body'):.2f}x   "
+          f"peak-memory ratio: {ratio('body', 'peak_rss_mib'):.2f}")  # fmt: skip
     out = {
         "config": args.config,
         "batch": batch,
@@ -166,8 +191,10 @@ def main() -> None:
         "matmul_ceiling_gflops": ceiling / 1e9,
         "flops_per_token": flops_tok,
         "results": rows,
-        "speed_ratio": ratio,
-        "peak_memory_ratio": mem_ratio,
+        "speed_ratio": ratio("loss"),
+        "peak_memory_ratio": ratio("loss", "peak_rss_mib"),
+        "body_speed_ratio": ratio("body"),
+        "body_peak_memory_ratio": ratio("body", "peak_rss_mib"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -24,7 +24,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--data",
-        default=str(ROOT.parent / "shared/data/scaling/epoch_chinchilla/svg_extracted_data.csv"),
+        default=str(ROOT / "tests/data/scaling/epoch_chinchilla/svg_extracted_data.csv"),
     )
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scaling_fit.json"))

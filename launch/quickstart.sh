@@ -11,7 +11,7 @@ bash launch/setup.sh
 bin="${LLMTRAIN_VENV:-$root/.venv}/bin"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" TOKENIZERS_PARALLELISM=false
 run="${LLMTRAIN_RUN_DIR:-$root/runs/quickstart}"
-"$bin/llmtrain" count configs/debug.yaml | head -4
+"$bin/llmtrain" count configs/debug.yaml | sed -n 1,4p  # sed reads it all: no closed pipe
 "$bin/llmtrain" train configs/debug.yaml --run-dir "$run" --overwrite train.max_steps=1200 "$@"
 "$bin/llmtrain" export "$run" --out "$run/hf" --dtype fp32 --overwrite
 echo "run directory: $run (metrics.jsonl, tensorboard/, checkpoints/, sample.txt, hf/ for transformers)"

@@ -13,8 +13,9 @@ fi
 python="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-# 1. torch pinned first (the CPU wheel on disk; a CUDA build is several GB).
-"${pip[@]}" "torch==${LLMTRAIN_TORCH:-2.13.0}"
+# 1. torch pinned first (the CPU wheel on disk; a CUDA build is several GB), with numpy in the
+#    same step: torch imported before numpy exists warns "Failed to initialize NumPy".
+"${pip[@]}" "torch==${LLMTRAIN_TORCH:-2.13.0}" numpy
 # 2. the package and its tools, with torch held where it is.
 echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$venv/torch-pin.txt"
 "${pip[@]}" -c "$venv/torch-pin.txt" -e "$root[dev,train]" "transformers==5.24.0"

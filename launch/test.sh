@@ -2,6 +2,7 @@
 # The test suite, from nothing: sets up .venv (idempotent), lints, runs pytest.
 #   launch/test.sh            default suite (fast; what CI runs)
 #   launch/test.sh --slow     the slow tests only (multi-process runs, long sweeps)
+#   launch/test.sh --all      both: the default suite and the slow tests (what CI runs, ~6 min)
 #   launch/test.sh -- ARGS    extra pytest arguments
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,7 +10,8 @@ cd "$root"
 bash launch/setup.sh
 py="${LLMTRAIN_VENV:-$root/.venv}/bin/python"
 marker=(-m "not slow")
-if [ "${1:-}" = "--slow" ]; then marker=(-m slow); shift; fi
+if [ "${1:-}" = "--slow" ]; then marker=(-m slow); shift
+elif [ "${1:-}" = "--all" ]; then marker=(-m "slow or not slow"); shift; fi
 [ "${1:-}" = "--" ] && shift
 "$py" -m ruff check llmtrain tests benchmarks tools launch
 "$py" -m ruff format --check llmtrain tests benchmarks tools launch

@@ -1,9 +1,17 @@
 """llmtrain: pre-training DeepSeek-style MoE language models."""
 
 from llmtrain.config import Config, ConfigError, ModelConfig, load_config
+from llmtrain.errors import LlmtrainError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "ModelConfig", "load_config", "from_pretrained"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "LlmtrainError",
+    "ModelConfig",
+    "load_config",
+    "from_pretrained",
+]
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -16,14 +17,14 @@ from llmtrain.config import ConfigError, ModelConfig, load_config
 def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, Any]:
     """Our YAML (with overrides) or a Hugging Face config.json; returns (model, config or None)."""
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        p = p / "config.yaml"  # one of our checkpoints
+    elif p.is_dir():
         p = p / "config.json"
     if p.suffix == ".json":
-        from llmtrain.hf import model_config_from_hf
+        from llmtrain.hf import model_config_from_hf, read_hf_config
 
-        if not p.is_file():
-            raise ConfigError(f"{p} does not exist")
-        return model_config_from_hf(json.loads(p.read_text())), None
+        return model_config_from_hf(read_hf_config(p)), None
     cfg = load_config(p, overrides)
     return cfg.model, cfg
 
@@ -76,7 +77,12 @@ def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, 
 
 def cmd_count(args: argparse.Namespace) -> int:
     from llmtrain.accounting import RUNTIME_PROVENANCE, count, memory_per_rank
+    from llmtrain.errors import UsageError
 
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: give a positive context length")
+    if (args.world_size or 0) < 0 or (args.ep_size is not None and args.ep_size < 1):
+        raise UsageError("--world-size must be >= 0 and --ep-size >= 1")
     model_cfg, cfg = _load_model_config(args.config, args.overrides)
     seq_len = args.seq_len or (cfg.train.seq_len if cfg is not None else None)
     c = count(model_cfg, seq_len=seq_len, kv_dtype=args.kv_dtype)
@@ -193,6 +199,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llmtrain.export import export
 
     if args.push_only is None:
+        from llmtrain.errors import UsageError
+
+        if not args.checkpoint or not args.out:
+            raise UsageError(
+                "give a checkpoint or run directory and --out DIR (or --push-only DIR)"
+            )
         out = export(args.checkpoint, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
                      overwrite=args.overwrite, law=args.law, license=args.license)  # fmt: skip
         print(f"exported to {out}")
@@ -240,8 +252,9 @@ def _scaling(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmtrain", description=__doc__)
+    p = _Parser(prog="llmtrain", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also LLMTRAIN_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("count", help="parameters, FLOPs, KV cache and memory from a config alone")
@@ -306,10 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--plot", metavar="OUT.png")
     f.add_argument("--json", action="store_true")
     f.add_argument("--out", metavar="FIT.json", help="also write the fit (readable by --law)")
-    f.add_argument("--n-col", default="N")
-    f.add_argument("--d-col", default="D")
-    f.add_argument("--c-col", default="C")
-    f.add_argument("--loss-col", default="loss")
+    f.add_argument("--n-col", help="parameters column (default: N, params, parameters ...)")
+    f.add_argument("--d-col", help="tokens column (default: D, tokens, data ...)")
+    f.add_argument("--c-col", help="compute column (default: C, flops, compute ...)")
+    f.add_argument("--loss-col", help="loss column (default: loss, val_loss ...)")
     f.add_argument(
         "--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points"
     )
@@ -409,6 +422,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Console entry point: every failure is one line on stderr and a non-zero exit.
+
+    Our own errors (`LlmtrainError`) and OS/path errors exit 2 with their message; anything else
+    is a bug and exits 1 with its type and a hint. `--debug` (anywhere on the line) or
+    LLMTRAIN_DEBUG=1 re-raises instead, with the traceback. A reader that closes our stdout early
+    (`llmtrain count ... | head -4`) is not an error: the rest of the output is dropped, exit 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LLMTRAIN_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    words = [a for a in argv if not a.startswith("-")]
+    depth = 3 if words[:2] == ["scaling", "sweep"] else 2 if words[:1] == ["scaling"] else 1
+    cmd = " ".join(words[:depth])
+    try:
+        rc = _run(argv, debug)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return 0
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"llmtrain {cmd}: interrupted".replace("  ", " "), file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "), file=sys.stderr)
+        return 2 if is_user_error(e) else 1
+
+
+def _run(argv: list[str], debug: bool) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     bad = [e for e in extra if "=" not in e or e.startswith("-") or not hasattr(args, "overrides")]
@@ -417,33 +465,61 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.DEBUG if debug else logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.cmd in ("train", "data"):
         logging.getLogger("llmtrain").setLevel(logging.INFO)
+    return args.func(args)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so Python's exit-time flush does not raise again."""
     try:
-        return args.func(args)
-    except Exception as e:
-        if not isinstance(e, _user_errors()):
-            raise
-        print(f"llmtrain {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
-def _user_errors() -> tuple[type, ...]:
-    """Errors that carry a message for the user (no traceback): bad config, data, input."""
-    from llmtrain.data.corpus import DataError
-    from llmtrain.export import ExportError
-    from llmtrain.export.hub import HubError
-    from llmtrain.parallel.hostfile import HostfileError
-    from llmtrain.scaling.laws import ScalingError
-    from llmtrain.tensor_io import TensorFileError
-    from llmtrain.train.checkpoint import CheckpointError
-    from llmtrain.train.loop import TrainingError
+def is_user_error(e: BaseException) -> bool:
+    """Errors that carry a message the user can act on: ours, bad values, paths and disks."""
+    from llmtrain.errors import LlmtrainError
 
-    return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,
-            ScalingError, HostfileError, ExportError, HubError, TensorFileError)  # fmt: skip
+    return isinstance(e, (LlmtrainError, ValueError, OSError))
+
+
+def describe_error(e: BaseException) -> str:
+    """One line saying what is wrong and what to do (no traceback)."""
+    from llmtrain.errors import LlmtrainError
+
+    if isinstance(e, LlmtrainError) or (isinstance(e, ValueError) and str(e)):
+        msg = str(e)
+    elif isinstance(e, OSError):
+        what = (
+            f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
+        )
+        hint = {
+            errno.ENOSPC: "free disk space or write elsewhere",
+            errno.EACCES: "check the permissions or choose another path",
+            errno.ENOTDIR: "a parent of the path is a file; choose another path",
+            errno.ENOENT: "check the path",
+            errno.EISDIR: "give a file, not a directory",
+        }.get(e.errno, "check the path")
+        msg = f"{what}; {hint}"
+    else:
+        msg = (
+            f"internal error {type(e).__name__}: {e} (this is a bug; rerun with --debug for the "
+            "traceback and report it)"
+        )
+    return " ".join(msg.split()) or type(e).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: no usage block, a pointer to --help instead."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ dataclasses are read by the accounting code without building a model.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,13 +19,17 @@ from typing import Any
 
 import yaml
 
+from llmtrain.errors import LlmtrainError
+
+logger = logging.getLogger(__name__)
+
 ROPE_TYPES = ("default", "yarn")
 SCORING_FUNCS = ("sigmoid", "softmax")
 ATTN_BACKENDS = ("auto", "sdpa", "flash", "reference")
 MOE_IMPLS = ("auto", "grouped_mm", "loop")
 
 
-class ConfigError(ValueError):
+class ConfigError(LlmtrainError, ValueError):
     """A config value is wrong; the message names the field and what to change."""
 
 
@@ -206,6 +212,8 @@ class DataConfig:
     chunk_bytes: int = 1 << 20  # text per unit of work (and per resumable progress record)
 
     def validate(self, prefix: str = "data") -> None:
+        if isinstance(self.sources, str):
+            self.sources = [self.sources]
         if not self.sources or not all(isinstance(s, (str, dict)) for s in self.sources):
             raise ConfigError(
                 f"{prefix}.sources must be a non-empty list of paths, hf:NAME, "
@@ -272,10 +280,29 @@ class TrainConfig:
             )
         if self.schedule not in ("cosine", "wsd", "inv_sqrt"):
             raise ConfigError(f"{prefix}.schedule={self.schedule!r}: use cosine, wsd or inv_sqrt")
-        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
-            raise ConfigError(
-                f"{prefix}.warmup_steps={self.warmup_steps} must be in [0, max_steps]"
-            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{prefix}.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.warmup_steps > self.max_steps:
+            # a short smoke run (train.max_steps=10) should not need a second override
+            logger.info(
+                "%s.warmup_steps=%d exceeds %s.max_steps=%d: warming up over the whole run "
+                "(warmup_steps=%d)", prefix, self.warmup_steps, prefix, self.max_steps,
+                self.max_steps,
+            )  # fmt: skip
+            self.warmup_steps = self.max_steps
+        if self.lr <= 0:
+            raise ConfigError(f"{prefix}.lr={self.lr} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{prefix}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"{prefix}.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be in [0, 1)")
+        _positive(prefix, "eps", self.eps)
+        for name in ("weight_decay", "grad_clip", "peak_flops", "sample_tokens", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be >= 0")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"{prefix}.micro_batch_size={self.micro_batch_size} must divide "
@@ -378,17 +405,26 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if base is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}={value} must be a finite number")
         return float(value)
     if base is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r} must be a string")
         return value
-    return value  # lists, dicts, Any: taken as given
+    if base is list:
+        if isinstance(value, str):  # one source given as a string
+            return [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r} must be a list, e.g. [a, b]")
+    if base is dict and not isinstance(value, dict):
+        raise ConfigError(f"{where}={value!r} must be a mapping, e.g. {{key: value}}")
+    return value  # list and dict contents, Any: taken as given
 
 
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
@@ -425,8 +461,43 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        if not key.strip() or any(not part for part in key.strip().split(".")):
+            raise ConfigError(f"override {item!r} has an empty key; write section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); "
+                "quote it or close its brackets, e.g. data.sources=[a.jsonl]"
+            ) from e
+        _set_dotted(tree, key.strip(), value)
     return tree
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The short part of a PyYAML error: what and where (line:column), without the snippet."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def _read_yaml(p: Path) -> Any:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte {e.start}); give a YAML file"
+        ) from e
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        hint = (
+            "YAML forbids tabs for indentation; indent with spaces"
+            if "\t" in text
+            else "fix the YAML syntax there"
+        )
+        raise ConfigError(f"config file {p} is not valid YAML ({_yaml_problem(e)}); {hint}") from e
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -444,9 +515,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(
+                f"config {p} is a directory; give the YAML file (e.g. {p}/config.yaml)"
+            )
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+            raise ConfigError(f"config file {p} does not exist; check the path")
+        loaded = _read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded

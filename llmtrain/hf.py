@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from llmtrain.config import ModelConfig, RopeConfig
+from llmtrain.config import ConfigError, ModelConfig, RopeConfig
+from llmtrain.errors import MissingFileError, WeightsMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +52,81 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         rope.mscale = float(src.get("mscale") or 0)
         rope.mscale_all_dim = float(src.get("mscale_all_dim") or 0)
     elif kind != "default":
-        raise ValueError(f"rope type {kind!r} in the HF config is not supported (default or yarn)")
+        raise ConfigError(
+            f"rope type {kind!r} in the HF config is not supported; only default or yarn rotary "
+            "scaling maps onto our model"
+        )
     return rope
 
 
+# config.json fields a DeepSeek MLA + MoE model cannot do without
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok")  # fmt: skip
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face `config.json` (or the directory holding one) as a dict; ConfigError if not."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise MissingFileError(
+            f"{p} not found; give a Hugging Face model directory (config.json + *.safetensors)"
+        )
+    try:
+        hf = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p} is not valid JSON ({e}); give a Hugging Face config.json") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{p} must hold a JSON object of config fields")
+    return hf
+
+
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Map a DeepseekV3/V2 `config.json` dict onto ModelConfig (V2: softmax gating, interleaved)."""
-    mtype = hf.get("model_type", "deepseek_v3")
-    if mtype not in ("deepseek_v3", "deepseek_v2"):
-        raise ValueError(f"model_type {mtype!r} is not DeepseekV3 or DeepseekV2")
+    """Map a DeepseekV3/V2 `config.json` dict onto ModelConfig (V2: softmax gating, interleaved).
+
+    Anything else (another architecture, missing or mistyped fields) is a ConfigError that says
+    which fields and that only DeepSeek MLA + MoE configs are read."""
+    if not isinstance(hf, dict):
+        raise ConfigError("a Hugging Face config must be a JSON object of fields")
+    mtype = hf.get("model_type")
+    missing = [k for k in HF_REQUIRED if k not in hf]
+    if mtype is not None and mtype not in ("deepseek_v3", "deepseek_v2"):
+        raise ConfigError(
+            f"model_type {mtype!r} is not supported: llmtrain reads DeepseekV3/V2 (MLA + "
+            "DeepSeekMoE) configs only; start from a deepseek_v3 config or a YAML config"
+        )
+    if missing:
+        what = "has no model_type and " if mtype is None else ""
+        raise ConfigError(
+            f"the Hugging Face config {what}lacks the DeepSeek MLA/MoE fields "
+            f"{', '.join(missing)}; llmtrain reads DeepseekV3/V2 configs only"
+        )
+    bad = [k for k in HF_REQUIRED if isinstance(hf[k], bool) or not isinstance(hf[k], int)]
+    if bad:
+        raise ConfigError(
+            "the Hugging Face config has non-integer "
+            + ", ".join(f"{k}={hf[k]!r}" for k in bad)
+            + "; these must be whole numbers"
+        )
+    try:
+        return _model_config_from_hf(hf, mtype or "deepseek_v3")
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"the Hugging Face config has an unusable value: {e!r}") from e
+
+
+def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
     v2 = mtype == "deepseek_v2"
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if kv_heads != heads:
-        raise ValueError("MLA has one latent for all heads; num_key_value_heads must equal heads")
+        raise ConfigError(
+            f"num_key_value_heads={kv_heads} differs from num_attention_heads={heads}; MLA has "
+            "one latent for all heads, so they must be equal"
+        )
     n_group = hf.get("n_group") or 1
     topk_group = hf.get("topk_group") or 1
     if v2 and hf.get("topk_method", "greedy") == "greedy":
@@ -107,7 +169,9 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if v2:
         cfg.rope.interleave = True  # V2 always rotates complex pairs
     if hf.get("attention_bias"):
-        raise ValueError("attention_bias=true is not supported (DeepSeek models have none)")
+        raise ConfigError(
+            "attention_bias=true is not supported (DeepSeek models have none); set it to false"
+        )
     cfg.validate()
     return cfg
 
@@ -235,7 +299,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     for prefix, per in experts.items():
         n = len(per)
         if sorted(per) != list(range(cfg.n_routed_experts)):
-            raise ValueError(
+            raise WeightsMismatchError(
                 f"{prefix}: found experts {sorted(per)[:5]}... ({n} of "
                 f"{cfg.n_routed_experts}); the checkpoint is missing experts"
             )
@@ -305,7 +369,9 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         return load_all(path, "model")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+        raise MissingFileError(
+            f"{path} holds no *.safetensors weights; copy the model's weights there"
+        )
     return {name: t for f in files for name, t, _ in read_tensors(f)}
 
 
@@ -445,11 +511,16 @@ def from_pretrained(
     path = Path(path)
     if (path / "state.json").is_file() or (path / "checkpoints").is_dir():
         return _from_our_checkpoint(path, device, dtype)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
-    hf_cfg = json.loads(cfg_file.read_text())
+    if not path.is_dir():
+        raise MissingFileError(
+            f"{path} is not a directory; give a Hugging Face model directory or one of our runs"
+        )
+    hf_cfg = read_hf_config(path)
     cfg = model_config_from_hf(hf_cfg)
+    if not any(path.glob("*.safetensors")):  # before building a possibly huge model
+        raise MissingFileError(
+            f"{path} holds no *.safetensors weights; copy the model's weights there"
+        )
     if mtp:
         cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
     model = build_model(cfg, device="meta")
@@ -457,12 +528,17 @@ def from_pretrained(
     model = model.to_empty(device=device)
     model.tie_weights()
     model.init_weights()  # buffers (rope) and anything a V2 checkpoint lacks (the zero bias)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise WeightsMismatchError(
+            f"the weights in {path} do not fit its config.json: {' '.join(str(e).split())[:300]}"
+        ) from e
     missing = [k for k in missing if not k.endswith("e_score_correction_bias")]
     if cfg.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(
+        raise WeightsMismatchError(
             f"checkpoint {path} does not match its config: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
         )

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
+from llmtrain.errors import LlmtrainError
+
 EXPERT_SUFFIXES = ("mlp.experts.w_gate_up", "mlp.experts.w_down")
 
 
-class TensorFileError(RuntimeError):
+class TensorFileError(LlmtrainError, RuntimeError):
     """A weight file is missing, truncated or corrupt; the message names it."""
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 FIXTURES = Path(__file__).parent / "fixtures"
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -88,3 +88,30 @@ def test_resolved_config_round_trips(tmp_path):
     cfg.save(tmp_path / "resolved.yaml")
     again = load_config(tmp_path / "resolved.yaml")
     assert again == cfg
+
+
+def test_yaml_and_override_syntax_errors_are_config_errors(tmp_path):
+    from llmtrain.errors import LlmtrainError
+
+    bad = tmp_path / "tab.yaml"
+    bad.write_text("train:\n\tlr: 1\n")
+    with pytest.raises(ConfigError, match="tabs") as e:
+        load_config(bad)
+    assert isinstance(e.value, LlmtrainError) and isinstance(e.value, ValueError)
+    with pytest.raises(ConfigError, match=r"data.sources=\[a"):
+        parse_overrides(["data.sources=[a"])
+
+
+@pytest.mark.parametrize("override", ["train.lr=nan", "train.lr=.inf", "model.init_std=-.inf",
+                                      "model.rms_norm_eps=NaN"])  # fmt: skip
+def test_non_finite_numbers_are_refused(override):
+    with pytest.raises(ConfigError, match="finite"):
+        load_config(ROOT / "configs" / "debug.yaml", [override])
+
+
+def test_one_source_as_a_string_and_warmup_clamped():
+    cfg = load_config(ROOT / "configs" / "debug.yaml", ["data.sources=a.txt", "train.max_steps=5"])
+    assert cfg.data.sources == ["a.txt"]
+    assert cfg.train.warmup_steps == 5  # debug.yaml's 20 clamped to the run
+    with pytest.raises(ConfigError, match="warmup_steps=-1"):
+        load_config(ROOT / "configs" / "debug.yaml", ["train.warmup_steps=-1"])

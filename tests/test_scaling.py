@@ -1,4 +1,4 @@
-"""Scaling laws against published results (data in ../shared/data/scaling) and closed forms."""
+"""Scaling laws against published results (vendored in tests/data/scaling) and closed forms."""
 
 import csv
 import json
@@ -12,12 +12,9 @@ from llmtrain.scaling.fit import Runs, fit_approach1, fit_approach2, fit_approac
 from llmtrain.scaling.io import read_csv
 from llmtrain.scaling.laws import BUILTIN_LAWS, ScalingError, load_law
 
-from .conftest import ROOT, SHARED
+from .conftest import ROOT
 
-DATA = SHARED / "data" / "scaling"
-needs_data = pytest.mark.skipif(
-    not DATA.is_dir(), reason="../shared/data/scaling is not beside the project"
-)
+DATA = ROOT / "tests" / "data" / "scaling"  # provenance and licences: tests/data/README.md
 
 
 def epoch_runs():
@@ -35,7 +32,6 @@ def epoch_fit():
     return fit_approach3(epoch_runs(), bootstrap=40, seed=0)
 
 
-@needs_data
 def test_approach3_reproduces_epoch_refit(epoch_fit):
     p = epoch_fit["params"]
     assert len(epoch_runs()) == 240
@@ -51,7 +47,6 @@ def test_approach3_reproduces_epoch_refit(epoch_fit):
         assert ci[k][0] <= v <= ci[k][1], (k, ci[k])
 
 
-@needs_data
 def test_averaging_the_huber_loss_would_be_caught(epoch_fit):
     """The objective is the sum over runs; averaging it shrinks the gradient below L-BFGS's
     tolerance and the grid search ends near its starting values, far from Epoch's refit."""
@@ -74,7 +69,6 @@ def test_averaging_the_huber_loss_would_be_caught(epoch_fit):
     assert abs(np.exp(mean_best.x[1]) / 2085.43 - 1) > 0.3
 
 
-@needs_data
 def test_approach2_on_llama3_isoflops():
     rows = list(csv.DictReader(open(DATA / "llama3_isoflops" / "isoflops_points.csv")))
     C = np.array([float(r["compute_budget"]) for r in rows])
@@ -88,9 +82,8 @@ def test_approach2_on_llama3_isoflops():
     assert lo < out["b_exp"] < hi
 
 
-@needs_data
 def test_approach1_uses_only_finished_runs_by_default():
-    r = read_csv(DATA / "misfitting_li2025" / "scaling_results.csv")
+    r = read_csv(DATA / "misfitting_li2025" / "scaling_results_min.csv")
     assert r.final.sum() < len(r) / 10
     out = fit_approach1(r)
     assert "end-of-schedule" in out["note"]
@@ -165,8 +158,55 @@ def test_bad_input_gets_clear_messages():
         fit_approach2(bad)
     flat = _synthetic()
     flat.loss[flat.C == 1e18] = np.linspace(3, 2, 6)  # monotone: no minimum
+    out = fit_approach2(flat)  # that budget is reported and left out, the others still fit
+    assert out["n_budgets"] == 2 and "curve upward" in out["excluded"][0]
+    flat.loss[flat.C == 1e19] = np.linspace(3, 2, 6)
     with pytest.raises(ScalingError, match="curve upward"):
         fit_approach2(flat)
+
+
+def test_approach2_budget_with_a_far_minimum_is_excluded_not_a_crash():
+    """A budget whose parabola puts its minimum far outside the sizes tried (N_opt underflowed
+    to 0 once: ZeroDivisionError) is reported and left out of the power law."""
+    law = BUILTIN_LAWS["epoch"]
+    r = _synthetic(budgets=(1e18, 1e19, 1e20, 1e21))
+    ref = fit_approach2(r.subset(r.C != 1e18))
+    sel = r.C == 1e18
+    x = np.log(r.N[sel])
+    r.loss[sel] = 3 + 1e-4 * (x + 2000) ** 2  # convex, vertex at N = e^-2000 (underflows to 0)
+    out = fit_approach2(r)
+    assert out["n_budgets"] == 3 and len(out["excluded"]) == 1
+    assert "far outside" in out["excluded"][0]
+    assert out["a_exp"] == pytest.approx(ref["a_exp"]) and out["a_exp"] == pytest.approx(
+        law.a, abs=0.02
+    )
+    boot = fit_approach2(r, bootstrap=5)
+    assert boot["bootstrap"]["resamples"] == 5
+
+
+def test_cli_fit_recognises_common_columns_and_reports_degenerate_data(tmp_path, capsys):
+    r = _synthetic(budgets=(1e18, 1e19, 1e20, 1e21))
+    sel = r.C == 1e18
+    r.loss[sel] = 3 + 1e-4 * (np.log(r.N[sel]) + 2000) ** 2
+    f = tmp_path / "runs.csv"
+    with open(f, "w") as fh:
+        fh.write("params,tokens,compute,val_loss\n")
+        fh.writelines(f"{n},{d},{c},{l}\n" for n, d, c, l in zip(r.N, r.D, r.C, r.loss))
+    assert main(["scaling", "fit", str(f), "--approach", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "not used: the parabola's minimum" in out and "N_opt ∝ C^" in out
+    cases = {
+        "one budget": ("N,D,loss\n1e6,1e8,3.0\n2e6,5e7,2.9\n4e6,2.5e7,3.1\n", "two or more"),
+        "text in a number": ("N,D,loss\n1e6,abc,3.0\n", "not a number"),
+        "no loss column": ("N,D,acc\n1e6,1e8,0.5\n", "no loss column"),
+        "one size": ("N,C,loss\n" + "".join(f"1e6,{c},3\n" for c in (1e18, 1e18, 1e18, 1e19, 1e19, 1e19)), "distinct model size"),
+    }  # fmt: skip
+    for name, (text, msg) in cases.items():
+        g = tmp_path / f"{name}.csv"
+        g.write_text(text)
+        assert main(["scaling", "fit", str(g), "--approach", "2"]) == 2, name
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (name, err)
 
 
 def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_STDLIB = "builtin:stdlib"
@@ -33,7 +35,7 @@ TEXT_PIECE_CHARS = 1 << 20  # large .txt files are read (and encoded) in pieces 
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".txt")
 
 
-class DataError(ValueError):
+class DataError(LlmtrainError, ValueError):
     """Bad data input: the message says which path or field and what to change."""
 
 

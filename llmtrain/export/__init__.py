@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.config import ModelConfig, load_config
+from llmtrain.errors import LlmtrainError, ensure_dir
 from llmtrain.hf import hf_config_from_model, state_dict_to_hf
 from llmtrain.tensor_io import ShardWriter, TensorFileError, read_header, read_tensors, tensor_files
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 FP32_KEYS = ("mlp.gate.weight", "e_score_correction_bias")  # transformers keeps these in fp32
 
 
-class ExportError(RuntimeError):
+class ExportError(LlmtrainError, RuntimeError):
     pass
 
 
@@ -207,6 +208,9 @@ def export(
     if torch_dtype is None:
         raise ExportError(f"--dtype {dtype}: use bf16 or fp32")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a directory path for the export")
+    ensure_dir(out.parent, "the parent of --out")  # before any work: a parent may be a file
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")

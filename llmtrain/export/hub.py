@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
 
-class HubError(RuntimeError):
+
+class HubError(LlmtrainError, RuntimeError):
     pass
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
+
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)\s+slots=(?P<slots>\d+)$")
 
 
-class HostfileError(ValueError):
+class HostfileError(LlmtrainError, ValueError):
     pass
 
 
@@ -16,9 +18,15 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
     """{host: slots}; a bad line raises with its number and the expected form."""
     p = Path(path)
     if not p.is_file():
-        raise HostfileError(f"hostfile {p} does not exist")
+        raise HostfileError(f"hostfile {p} does not exist; check the path")
     hosts: dict[str, int] = {}
-    for i, raw in enumerate(p.read_text().splitlines(), start=1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HostfileError(
+            f"hostfile {p} is not UTF-8 text; write 'hostname slots=N' lines"
+        ) from e
+    for i, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -24,6 +24,11 @@ def _print_allocation(a: dict, law) -> None:
 
 
 def allocate(args) -> int:
+    for flag in ("flops", "target_loss", "params", "tokens"):
+        v = getattr(args, flag)
+        if v is not None and not (np.isfinite(v) and v > 0):
+            raise ScalingError(f"--{flag.replace('_', '-')} {v}: give a finite number > 0")
+
     from llmtrain.scaling.registry import is_moe_law
 
     if is_moe_law(args.law):  # krajewski2024*, ludziejewski2025: see moe_commands
@@ -97,6 +102,12 @@ def fit(args) -> int:
         "loss_col": args.loss_col,
     }
     runs = load_runs(args.runs, **cols)
+    if args.drop_highest < 0 or args.drop_highest >= len(runs):
+        raise ScalingError(
+            f"--drop-highest {args.drop_highest}: give 0 to {len(runs) - 1} (there are {len(runs)} points)"
+        )
+    if args.bootstrap < 0:
+        raise ScalingError(f"--bootstrap {args.bootstrap}: give 0 or more resamples")
     if args.drop_highest:
         keep = runs.loss < np.sort(runs.loss)[-args.drop_highest]
         runs = runs.subset(keep)
@@ -183,6 +194,9 @@ def _report(results: dict, args) -> None:
                 print(f"  {r['note']}")
             else:
                 for m in r["minima"]:
+                    if m["excluded"]:
+                        print(f"  C={m['C']:.3g}: not used: {m['excluded']}")
+                        continue
                     flag = "" if m["inside_range"] else "  (minimum outside the sizes tried)"
                     print(
                         f"  C={m['C']:.3g}: N_opt={fmt_si(m['n_opt'])}, D_opt={fmt_si(m['d_opt'])}, loss {m['loss_min']:.4f}{flag}"
@@ -205,6 +219,11 @@ def sweep(args) -> int:
 
         return moe_commands.sweep_plan(args)  # vary E and G at fixed active size
     if args.sweep_cmd == "plan":
+        bad = [b for b in args.budgets if not (np.isfinite(b) and b > 0)]
+        if bad:
+            raise ScalingError(f"--budgets {bad[0]}: every budget must be a finite number > 0")
+        if args.sizes < 1 or not (np.isfinite(args.spread) and args.spread >= 1):
+            raise ScalingError("--sizes must be >= 1 and --spread a finite number >= 1")
         m = sw.plan(
             args.budgets,
             args.family,

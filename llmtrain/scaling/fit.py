@@ -230,61 +230,85 @@ def _frontier_bootstrap(fits: list[tuple], seed: int) -> dict:
             "n_curves": laws_n}  # fmt: skip
 
 
-def _isoflop_minima(r: Runs, labels, k: float):
+FAR_OUTSIDE = 1.0  # a vertex more than this many spans (in log N) beyond the sizes tried
+
+
+def _isoflop_minima(r: Runs, labels, k: float) -> list[dict]:
+    """One parabola in log N per budget. A budget that cannot give a minimum (under 3 sizes, no
+    upward curvature, a vertex far outside the sizes tried or under/overflowing) is returned with
+    `excluded` set to the reason rather than raised: the other budgets still make a frontier."""
     out = []
     for g in np.unique(labels):
         sel = labels == g
-        if sel.sum() < 3:
-            raise ScalingError(
-                f"budget C≈{r.C[sel].mean():.3g} has {sel.sum()} runs; an IsoFLOP parabola needs >= 3"
-            )
+        c = float(np.exp(np.mean(np.log(r.C[sel]))))
+        m = {"C": c, "n_runs": int(sel.sum()), "inside_range": False, "excluded": None}
+        out.append(m)
         x, y = np.log(r.N[sel]), r.loss[sel]
         if len(np.unique(x)) < 3:
-            raise ScalingError(
-                f"budget C≈{r.C[sel].mean():.3g} has fewer than 3 distinct model sizes"
-            )
+            m["excluded"] = (f"{len(np.unique(x))} distinct model size(s); an IsoFLOP parabola "
+                             "needs >= 3")  # fmt: skip
+            continue
         c2, c1, c0 = np.polyfit(x, y, 2)
-        if c2 <= 0:
-            raise ScalingError(f"the runs at C≈{r.C[sel].mean():.3g} do not curve upward in log N (no minimum); "
-                               "add sizes on both sides of the optimum")  # fmt: skip
+        m["coef"] = [float(c2), float(c1), float(c0)]
+        if not c2 > 0:
+            m["excluded"] = ("the losses do not curve upward in log N (no minimum); add sizes on "
+                             "both sides of the optimum")  # fmt: skip
+            continue
         xs = -c1 / (2 * c2)
-        c = float(np.exp(np.mean(np.log(r.C[sel]))))
-        n_opt = float(np.exp(xs))
-        out.append({"C": c, "n_opt": n_opt, "d_opt": c / (k * n_opt), "loss_min": float(c0 - c1 * c1 / (4 * c2)),
-                    "coef": [float(c2), float(c1), float(c0)], "inside_range": bool(x.min() <= xs <= x.max())})  # fmt: skip
+        span = max(x.max() - x.min(), 1e-12)
+        m["inside_range"] = bool(x.min() <= xs <= x.max())
+        with np.errstate(over="ignore", under="ignore"):
+            n_opt = float(np.exp(xs))
+        if xs < x.min() - FAR_OUTSIDE * span or xs > x.max() + FAR_OUTSIDE * span:
+            m["excluded"] = (f"the parabola's minimum (N={n_opt:.3g}) lies far outside the sizes "
+                             f"tried ({np.exp(x.min()):.3g} to {np.exp(x.max()):.3g}); add sizes "
+                             "towards it")  # fmt: skip
+            continue
+        if not (math.isfinite(n_opt) and n_opt > 0):
+            m["excluded"] = "the parabola's minimum is not a finite model size"
+            continue
+        m.update(n_opt=n_opt, d_opt=c / (k * n_opt), loss_min=float(c0 - c1 * c1 / (4 * c2)))
     return out
 
 
 def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) -> dict:
+    """Power laws N_opt ∝ C^a, D_opt ∝ C^b through the budgets' parabola minima. Budgets without
+    a usable minimum are listed under `excluded` (and in each minimum's `excluded`), not fitted;
+    two usable budgets are needed."""
     check_runs(r, "approach 2")
     labels = group_budgets(r.C)
     if len(np.unique(labels)) < 2:
         raise ScalingError("approach 2 needs runs at two or more compute budgets (found one)")
     minima = _isoflop_minima(r, labels, k)
-    Cs = np.array([m["C"] for m in minima])
-    a, ka = _powerlaw(Cs, [m["n_opt"] for m in minima])
-    b, kb = _powerlaw(Cs, [m["d_opt"] for m in minima])
+    used = [i for i, m in enumerate(minima) if m["excluded"] is None]
+    excluded = [f"C≈{m['C']:.3g}: {m['excluded']}" for m in minima if m["excluded"]]
+    if len(used) < 2:
+        raise ScalingError(
+            f"approach 2 found {len(used)} budget(s) with a usable IsoFLOP minimum and needs 2; "
+            + "; ".join(excluded)
+        )
+    Cs = np.array([minima[i]["C"] for i in used])
+    a, ka = _powerlaw(Cs, [minima[i]["n_opt"] for i in used])
+    b, kb = _powerlaw(Cs, [minima[i]["d_opt"] for i in used])
     out = {
         "minima": minima,
         "a_exp": a,
         "n_coef": ka,
         "b_exp": b,
         "d_coef": kb,
-        "n_budgets": len(minima),
+        "n_budgets": len(used),
+        "excluded": excluded,
     }
     if bootstrap:
         rng = np.random.default_rng(seed)
+        groups = np.unique(labels)[used]
         fits = []
         for _ in range(bootstrap):
             idx = np.concatenate(
-                [
-                    rng.choice(np.nonzero(labels == g)[0], (labels == g).sum())
-                    for g in np.unique(labels)
-                ]
+                [rng.choice(np.nonzero(labels == g)[0], (labels == g).sum()) for g in groups]
             )
-            try:
-                mm = _isoflop_minima(r.subset(idx), labels[idx], k)
-            except ScalingError:
+            mm = _isoflop_minima(r.subset(idx), labels[idx], k)
+            if any(m["excluded"] for m in mm):
                 continue  # a resample without curvature says nothing about the optimum
             fits.append(tuple(np.array([m[key] for m in mm]) for key in ("C", "n_opt", "d_opt")))
         out["bootstrap"] = _frontier_bootstrap(fits, seed)

@@ -19,43 +19,72 @@ def _num(row: dict, col: str, where: str) -> float:
         return math.nan
     try:
         return float(raw)
-    except ValueError as e:
-        raise ScalingError(f"{where}: column {col!r} holds {raw!r}, not a number") from e
+    except (TypeError, ValueError) as e:
+        raise ScalingError(
+            f"{where}: column {col!r} holds {raw!r}, not a number; fix or drop that row"
+        ) from e
+
+
+# column names recognised without --n-col/--d-col/--c-col/--loss-col (case and spaces ignored)
+ALIASES = {
+    "N": ("n", "params", "parameters", "n_params", "num_params", "model_size", "model size"),
+    "D": ("d", "tokens", "data", "n_tokens", "num_tokens", "training_tokens", "training tokens"),
+    "C": ("c", "flops", "compute", "compute_budget", "training_flop", "training flop",
+          "training_flops", "training flops"),
+    "loss": ("loss", "final_loss", "val_loss", "validation_loss", "eval_loss"),
+}  # fmt: skip
+
+
+def _pick(cols: list[str], given: str | None, key: str) -> str | None:
+    """The column for N / D / C / loss: the one named (exactly), else the first known alias."""
+    if given is not None:
+        return given if given in cols else None
+    by_norm = {c.strip().lower(): c for c in cols}
+    return next((by_norm[a] for a in ALIASES[key] if a in by_norm), None)
 
 
 def read_csv(
     path: Path,
-    n_col="N",
-    d_col="D",
-    c_col="C",
-    loss_col="loss",
+    n_col: str | None = None,
+    d_col: str | None = None,
+    c_col: str | None = None,
+    loss_col: str | None = None,
     final_col="portion_steps_elapsed",
     k: float = 6.0,
 ) -> Runs:
-    """Columns N and D (or C: then D = C/(k·N); or N missing: N = C/(k·D)) and loss."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    """Columns N and D (or C: then D = C/(k·N); or N missing: N = C/(k·D)) and loss.
+
+    Column names default to the common ones (N/params/parameters, D/tokens/data,
+    C/flops/compute, loss/val_loss ...; see ALIASES); name a column to override."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ScalingError(f"{path} is not a UTF-8 CSV file ({e}); give a CSV of runs") from e
     if not rows:
-        raise ScalingError(f"{path} holds no rows")
-    cols = set(rows[0])
-    if loss_col not in cols:
-        raise ScalingError(
-            f"{path}: no loss column {loss_col!r} (columns: {sorted(cols)}); set --loss-col"
-        )
-    have_n, have_d, have_c = n_col in cols, d_col in cols, c_col in cols
+        raise ScalingError(f"{path} holds no rows; give a CSV with a header and one row per run")
+    names = [c for c in rows[0] if c is not None]
+    cols = set(names)
+    loss_col = _pick(names, loss_col, "loss")
+    if loss_col is None:
+        raise ScalingError(f"{path}: no loss column (columns: {sorted(cols)}); set --loss-col")
+    n_col, d_col, c_col = (_pick(names, n_col, "N"), _pick(names, d_col, "D"),
+                           _pick(names, c_col, "C"))  # fmt: skip
+    have_n, have_d, have_c = n_col is not None, d_col is not None, c_col is not None
     if sum([have_n, have_d, have_c]) < 2:
-        raise ScalingError(f"{path}: need two of the columns N={n_col!r}, D={d_col!r}, C={c_col!r} "
-                           f"(columns: {sorted(cols)}); set --n-col/--d-col/--c-col")  # fmt: skip
+        raise ScalingError(f"{path}: need two of the columns parameters (N), tokens (D), "
+                           f"compute (C) (columns: {sorted(cols)}); set --n-col/--d-col/--c-col")  # fmt: skip
     N, D, C, L, F = [], [], [], [], []
     for i, row in enumerate(rows, start=2):
         where = f"{path}:{i}"
         n = _num(row, n_col, where) if have_n else math.nan
         d = _num(row, d_col, where) if have_d else math.nan
         c = _num(row, c_col, where) if have_c else math.nan
-        if not have_d:
-            d = c / (k * n)
-        if not have_n:
-            n = c / (k * d)
+        with np.errstate(divide="ignore", invalid="ignore"):  # zeros: caught by check_runs
+            if not have_d:
+                d = float(np.float64(c) / (k * n))
+            if not have_n:
+                n = float(np.float64(c) / (k * d))
         if not have_c:
             c = k * n * d
         N.append(n), D.append(d), C.append(c), L.append(_num(row, loss_col, where))

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from scipy.optimize import brentq
 
+from llmtrain.errors import LlmtrainError
 
-class ScalingError(ValueError):
+
+class ScalingError(LlmtrainError, ValueError):
     """Bad input or an impossible question; the message says what to change."""
 
 

@@ -31,8 +31,10 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         if a2 and j < len(a2["minima"]):
             m = a2["minima"][j]
             xs = np.linspace(np.log(runs.N[sel].min()), np.log(runs.N[sel].max()), 100)
-            ax.plot(np.exp(xs), np.polyval(m["coef"], xs), color=col, lw=1.2)
-            ax.plot(m["n_opt"], m["loss_min"], marker="*", color="red", ms=11, mec="k")
+            if "coef" in m:
+                ax.plot(np.exp(xs), np.polyval(m["coef"], xs), color=col, lw=1.2)
+            if not m.get("excluded"):
+                ax.plot(m["n_opt"], m["loss_min"], marker="*", color="red", ms=11, mec="k")
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel("loss")
@@ -46,7 +48,7 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         res = results.get(key)
         if not res:
             continue
-        pts = res[pts_key]
+        pts = [p for p in res[pts_key] if not p.get("excluded")]
         ax.scatter(
             [p["C"] for p in pts],
             [p.get("n_opt", p.get("N")) for p in pts],

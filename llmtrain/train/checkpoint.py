@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmtrain.errors import LlmtrainError
 from llmtrain.parallel import comm
 from llmtrain.parallel.engine import is_expert_param
 from llmtrain.tensor_io import ShardWriter, TensorFileError, load_all
@@ -32,7 +33,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 SHARD_BYTES = 2 * 2**30  # model weights are written in files of at most this size
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LlmtrainError, RuntimeError):
     pass
 
 

@@ -24,6 +24,7 @@ from llmtrain.config import Config
 from llmtrain.data.corpus import DataError
 from llmtrain.data.loader import PackedDataset, batches_for_step
 from llmtrain.data.prepare import prepare_data
+from llmtrain.errors import LlmtrainError
 from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
@@ -36,7 +37,7 @@ from llmtrain.train.schedule import lr_at
 logger = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(LlmtrainError, RuntimeError):
     """The run stopped for a reason the user can act on (the message says which)."""
 
 
