@@ -89,6 +89,12 @@ def cmd_count(args: argparse.Namespace) -> int:
     mem = inputs = None
     if args.world_size:
         inputs = _memory_args(args, cfg, c.seq_len)
+        ep = inputs["ep_size"]
+        if args.world_size % ep or model_cfg.n_routed_experts % ep:
+            raise UsageError(
+                f"--ep-size {ep} must divide --world-size {args.world_size} and the "
+                f"{model_cfg.n_routed_experts} routed experts"
+            )
         try:
             mem = memory_per_rank(model_cfg, **inputs)
         except ValueError as e:

@@ -127,7 +127,7 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("dict-for-list", {}, ["count", DEBUG, "data.sources={a: 1}"], ("data.sources", "list")),
     ("impossible-ep", {}, ["count", DEBUG, "parallel.ep_size=3"], ("parallel.ep_size",)),
     ("heads-dont-divide", {}, ["count", DEBUG, "model.num_heads=5"], ("model.num_heads",)),
-    ("zero3-with-ep", {}, ["count", DEBUG, "parallel.zero_stage=3", "parallel.ep_size=2"], ("zero_stage=3",)),
+    ("zero-stage-4", {}, ["count", DEBUG, "parallel.zero_stage=4"], ("parallel.zero_stage",)),
     ("unknown-flag", {}, ["count", DEBUG, "--bogus"], ("--bogus", "--help")),
     ("count-negative-seq-len", {}, ["count", DEBUG, "--seq-len", "0"], ("--seq-len",)),
     ("count-impossible-ep", {}, ["count", DEBUG, "--world-size", "4", "--ep-size", "3"], ("--ep-size 3",)),
