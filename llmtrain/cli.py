@@ -307,7 +307,7 @@ def _user_errors() -> tuple[type, ...]:
     from llmtrain.parallel.hostfile import HostfileError
     from llmtrain.scaling.laws import ScalingError
     from llmtrain.tensor_io import TensorFileError
-    from llmtrain.train.checkpoint import CheckpointError
+    from llmtrain.checkpoint import CheckpointError
     from llmtrain.train.loop import TrainingError
 
     return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,
