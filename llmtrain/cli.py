@@ -104,6 +104,14 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from llmtrain.checkpoint import convert
+
+    out = convert(args.old, args.new)
+    print(f"converted {args.old} -> {out}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from llmtrain.export import export
 
@@ -270,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=cmd_export)
 
+    c = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = c.add_subparsers(dest="checkpoint_cmd", required=True)
+    cc = csub.add_parser("convert", help="consolidated (earlier) checkpoint -> sharded format")
+    cc.add_argument("old", help="a checkpoint in the consolidated format")
+    cc.add_argument("new", help="where to write the sharded checkpoint")
+    cc.set_defaults(func=cmd_checkpoint)
+
     h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
     h.add_argument("hostfile")
     h.set_defaults(func=cmd_hostfile)
@@ -301,13 +316,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type, ...]:
     """Errors that carry a message for the user (no traceback): bad config, data, input."""
+    from llmtrain.checkpoint import CheckpointError
     from llmtrain.data.corpus import DataError
     from llmtrain.export import ExportError
     from llmtrain.export.hub import HubError
     from llmtrain.parallel.hostfile import HostfileError
     from llmtrain.scaling.laws import ScalingError
     from llmtrain.tensor_io import TensorFileError
-    from llmtrain.checkpoint import CheckpointError
     from llmtrain.train.loop import TrainingError
 
     return (ConfigError, ValueError, FileNotFoundError, DataError, CheckpointError, TrainingError,

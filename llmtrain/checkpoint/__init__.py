@@ -31,7 +31,9 @@ def open_checkpoint(path: str | Path) -> ShardedReader | LegacyReader:
         return ShardedReader(ck)
     if is_legacy(ck):
         return LegacyReader(ck)
-    raise CheckpointError(f"checkpoint {ck} holds no weights (no tensors.json, no model.safetensors)")
+    raise CheckpointError(
+        f"checkpoint {ck} holds no weights (no tensors.json, no model.safetensors)"
+    )
 
 
 def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):

@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -217,7 +219,7 @@ def save_pieces(
     Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before the i-th piece."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     planner = PieceSavePlanner(pieces, blobs or {}, on_write)
-    dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist)
+    _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist)
 
 
 def load_pieces(
@@ -227,8 +229,24 @@ def load_pieces(
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} has no .metadata: not a complete sharded checkpoint")
     planner = PieceLoadPlanner(pieces, blob_keys)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=no_dist)
+    reader = dcp.FileSystemReader(str(path))
+    _unwrapped(dcp.load, path, {}, storage_reader=reader, planner=planner, no_dist=no_dist)
     return planner.blobs
+
+
+def _unwrapped(fn, path: Path, *args, **kwargs):
+    """DCP reports any rank's failure as a CheckpointException (a BaseException): raise ours,
+    with the first rank's message, on every rank."""
+    try:
+        with warnings.catch_warnings():  # "no process group: single process" is the intent
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            return fn(*args, **kwargs)
+    except CheckpointException as e:
+        errs = [exc for exc, _ in e.failures.values()]
+        ours = next((x for x in errs if isinstance(x, CheckpointError)), None)
+        if ours is not None:
+            raise CheckpointError(str(ours)) from None
+        raise CheckpointError(f"checkpoint {path}: {errs[0]!r}") from None
 
 
 # ---------------------------------------------------------------- index, run state, files

@@ -116,7 +116,9 @@ class Checkpointer:
             k = views["fp32"].numel()
             pieces.append(Piece(fmt.model_key(name), n_full, off + start, k, tensor=views["fp32"]))
             for m in MOMENTS:
-                pieces.append(Piece(fmt.moment_key(m, name), n_full, off + start, k, tensor=views[m]))
+                pieces.append(
+                    Piece(fmt.moment_key(m, name), n_full, off + start, k, tensor=views[m])
+                )
         for name, b in self._buffers():
             index[name] = {"shape": list(b.shape), "kind": "buffer", "moments": False}
             pieces.append(Piece(fmt.model_key(name), b.numel(), 0, b.numel(), tensor=b.view(-1)))
@@ -143,7 +145,11 @@ class Checkpointer:
                 _fault("write", step)
 
         fmt.save_pieces(tmp, pieces, {f"rng/{self.rank}": _rng_bytes()}, on_write)
-        state = {**state, "optimizer_step": self.engine.optimizer_step_count(), "format": fmt.FORMAT}
+        state = {
+            **state,
+            "optimizer_step": self.engine.optimizer_step_count(),
+            "format": fmt.FORMAT,
+        }
         if self.rank == 0:
             fmt.write_index(tmp, index)
             fmt.write_file(tmp / "config.yaml", config_yaml)

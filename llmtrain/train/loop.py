@@ -159,7 +159,9 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
                 run.train_ds.eos_id, cfg.data.doc_mask,
             )  # fmt: skip
         if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record:
-            metrics.log(record, run.model, time.perf_counter() - t0, layout.tokens_per_step, step_loads)
+            metrics.log(
+                record, run.model, time.perf_counter() - t0, layout.tokens_per_step, step_loads
+            )
         else:
             metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
         final = record
