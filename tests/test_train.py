@@ -155,8 +155,15 @@ def test_offload_optimizer_resume_is_exact(cache, tmp_path):
     _same_curve(metrics(tmp_path / "ref"), metrics(tmp_path / "run"))
 
 
-def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path):
-    """2 ranks, ep 2, ZeRO-2 for 10 steps; then 1 rank continues: same curve as never stopping."""
+@pytest.mark.parametrize(
+    "target",
+    [[1], pytest.param([2, "parallel.zero_stage=3"], marks=pytest.mark.slow),
+     pytest.param([2, "parallel.zero_stage=1", "parallel.ep_size=2"], marks=pytest.mark.slow)],
+    ids=["1rank", "zero3", "zero1-ep2"],
+)  # fmt: skip
+def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path, target):
+    """2 ranks, ep 2, ZeRO-2 for 10 steps; then another layout continues (1 rank; 2 ranks
+    ZeRO-3; 2 ranks ZeRO-1 ep 2): same curve as never stopping."""
     run = tmp_path / "run"
     kill_when_step(
         run,
@@ -173,7 +180,7 @@ def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_pat
     assert (
         exp.shape[0] == 8 and (exp[:4].abs().sum() > 0) and (exp[4:].abs().sum() > 0)
     )  # both ranks' experts
-    run_train(run, 1, base(cache, "train.save_every=10", "resume=auto"))
+    run_train(run, target[0], base(cache, "train.save_every=10", "resume=auto", *target[1:]))
     ref, got = metrics(reference), metrics(run)
     for a, b in zip(ref, got):
         assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])

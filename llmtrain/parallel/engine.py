@@ -1,5 +1,6 @@
 """The one module that talks to DeepSpeed: process groups, the DeepSpeed config built from ours,
-`deepspeed.initialize`, backward/step, and full (consolidated) views of weights and Adam moments.
+`deepspeed.initialize`, backward/step, and each rank's local fragments of fp32 weights and Adam
+moments (what sharded checkpoints save and restore).
 
 Expert parallelism rides on DeepSpeed's own machinery: expert parameters are tagged
 (`allreduce=False`, `group_name`), the optimizer gets DeepSpeed's MoE parameter groups, and
@@ -237,7 +238,7 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
-    # ------------------------------------------------------------ full views (checkpoints)
+    # ------------------------------------------------------------ optimizer state
 
     def _base_optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)
@@ -250,52 +251,11 @@ class Engine:
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
 
-    def full_param(self, p: torch.Tensor) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        v = safe_get_full_fp32_param(p)
-        return (v if v is not None else p.detach().float()).cpu()
-
-    def full_moment(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        v = safe_get_full_optimizer_state(p, key)
-        if v is None:
-            state = self._base_optimizer().state.get(p, {})
-            v = state.get(key, torch.zeros_like(p, dtype=torch.float32))
-        return v.detach().float().cpu()
-
     def optimizer_step_count(self) -> int:
         for st in self._base_optimizer().state.values():
             if "step" in st:
                 return int(st["step"])
         return 0
-
-    def ensure_optimizer_state(self, step: int) -> None:
-        """Adam creates its state lazily at the first step; resuming needs it before that."""
-        base = self._base_optimizer()
-        for g in base.param_groups:
-            for p in g["params"]:
-                st = base.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] = torch.tensor(float(step))
-        self.relink_optimizer_state()
-
-    def set_full(self, p: torch.Tensor, value: torch.Tensor, key: str | None) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        value = value.to(device=p.device, dtype=torch.float32)
-        if key is None:
-            safe_set_full_fp32_param(p, value)
-        else:
-            safe_set_full_optimizer_state(p, value, key)
-        if not hasattr(p, "ds_id") and not hasattr(p, "_hp_mapping"):  # no ZeRO partitioning
-            if key is None:
-                p.data.copy_(value)
-            else:
-                self._base_optimizer().state[p][key].copy_(value)
 
     # ------------------------------------------------------------ local fragments (sharded checkpoints)
     # What this rank holds of each parameter, as writable 1-D views, without gathering anything:
