@@ -268,18 +268,29 @@ class Engine:
         it; `step` (when given) is written into every state in the form the optimizer keeps it."""
         base = self._base_optimizer()
         cpu_adam = type(base).__name__ == "DeepSpeedCPUAdam"
-        for g in base.param_groups:
-            for p in g["params"]:
-                st = base.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st.setdefault("step", 0)
-                if step is not None:
-                    st["step"] = self._step_value(step, p, g, cpu_adam)
-                elif not cpu_adam and not torch.is_tensor(st["step"]):
-                    st["step"] = self._step_value(int(st["step"]), p, g, cpu_adam)
+        for p, g in self._optimizer_params():
+            st = base.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st.setdefault("step", 0)
+            if step is not None:
+                st["step"] = self._step_value(step, p, g, cpu_adam)
+            elif not cpu_adam and not torch.is_tensor(st["step"]):
+                st["step"] = self._step_value(int(st["step"]), p, g, cpu_adam)
         self.relink_optimizer_state()
+
+    def _optimizer_params(self):
+        """(tensor the optimizer steps, its param group): ZeRO-3 puts its flat fp32 partitions
+        into the groups only during a step (stage3.py `_optimizer_step`), so list them here."""
+        base, opt = self._base_optimizer(), self.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):
+            for i, p in enumerate(opt.fp32_partitioned_groups_flat):
+                yield p, base.param_groups[opt.sub_group_to_group_id[i]]
+        else:
+            for g in base.param_groups:
+                for p in g["params"]:
+                    yield p, g
 
     @staticmethod
     def _step_value(step: int, p: torch.Tensor, group: dict, cpu_adam: bool):
