@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--resume", help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args, args.overrides = ap.parse_known_args()
     if args.child:
         return child(args)
