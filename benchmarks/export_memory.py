@@ -23,7 +23,7 @@ CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import torch, transformers, safetensors, yaml  # code is loaded before the baseline is read
-import llmtrain.model, llmtrain.accounting, llmtrain.train.checkpoint, llmtrain.scaling.laws
+import llmtrain.model, llmtrain.accounting, llmtrain.checkpoint, llmtrain.scaling.laws
 from llmtrain.export import export
 from llmtrain.config import ModelConfig
 llmtrain.model.build_model(ModelConfig(), device="meta")  # first meta build loads torch internals

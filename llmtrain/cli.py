@@ -201,6 +201,14 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from llmtrain.checkpoint import convert
+
+    out = convert(args.old, args.new)
+    print(f"converted {args.old} -> {out}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from llmtrain.export import export
 
@@ -420,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the results as JSON")
     ev.add_argument("--out", help="also write the full results JSON here")
     ev.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = c.add_subparsers(dest="checkpoint_cmd", required=True)
+    cc = csub.add_parser("convert", help="consolidated (earlier) checkpoint -> sharded format")
+    cc.add_argument("old", help="a checkpoint in the consolidated format")
+    cc.add_argument("new", help="where to write the sharded checkpoint")
+    cc.set_defaults(func=cmd_checkpoint)
 
     h = sub.add_parser("hostfile", help="check a deepspeed hostfile before a multi-node launch")
     h.add_argument("hostfile")

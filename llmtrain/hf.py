@@ -510,7 +510,9 @@ def from_pretrained(
 
     path = Path(path)
     if (path / "state.json").is_file() or (path / "checkpoints").is_dir():
-        return _from_our_checkpoint(path, device, dtype)
+        from llmtrain.checkpoint import load_model
+
+        return load_model(path, device, dtype)
     if not path.is_dir():
         raise MissingFileError(
             f"{path} is not a directory; give a Hugging Face model directory or one of our runs"
@@ -545,24 +547,4 @@ def from_pretrained(
     model.to(device=device, dtype=dtype)
     for m in model.moe_layers():
         m.gate.float()
-    return model.eval()
-
-
-def _from_our_checkpoint(path: Path, device, dtype):
-    """One of our run directories or checkpoints, whatever layout wrote it (they are consolidated)."""
-    from llmtrain.config import load_config
-    from llmtrain.export import resolve_checkpoint
-    from llmtrain.model import build_model
-    from llmtrain.tensor_io import load_all
-    from llmtrain.train.checkpoint import load_weights_into
-
-    ck = resolve_checkpoint(path)
-    cfg = load_config(ck / "config.yaml")
-    weights = load_all(ck, "model")
-    model = build_model(cfg.model, device=device)
-    load_weights_into(model, weights)
-    if dtype != torch.float32:
-        model.to(dtype)
-        for m in model.moe_layers():
-            m.gate.float()
     return model.eval()

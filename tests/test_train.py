@@ -99,11 +99,81 @@ def test_sigkill_then_resume_is_exact(reference, cache, tmp_path):
         )
 
 
+def _same_curve(ref, got, tol=1e-6):
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_resumes_to_the_same_curve(reference, cache, tmp_path):
+    """Runs killed at several points inside a save; each resume=auto continues from the last
+    complete checkpoint, stale .tmp directories go at the next save, the curve is unchanged."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    over = base(cache, "train.save_every=5")
+    kill = "LLMTRAIN_FAULT_KILL_IN_SAVE"
+    p = run_train(run, 1, over, check=False, **{kill: "files@10"})
+    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000005"
+    assert (ck / "step_00000010.tmp").is_dir()  # killed before its state.json: never latest
+    p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "latest@15"})
+    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000010"
+    assert not (ck / "step_00000010.tmp").exists() and (ck / "step_00000015").is_dir()
+    p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "write@15"})
+    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000010"
+    p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "prune@20"})
+    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000020"
+    run_train(run, 1, [*over, "resume=auto"])
+    assert not list(ck.glob("*.tmp"))
+    _same_curve(metrics(reference), metrics(run))
+
+
+def test_resume_from_a_consolidated_checkpoint(reference, cache, tmp_path):
+    """A checkpoint in the earlier consolidated format (written here with the old writer from
+    the reference's step 10) resumes to the same curve."""
+    import shutil
+
+    from llmtrain.checkpoint import ShardedReader
+
+    from .test_checkpoint import write_legacy
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ck = run / "checkpoints"
+    new = ShardedReader(ck / "step_00000010")
+    weights = {n: new.read(n) for n in new.names()}
+    moments = {f"{n}::{m}": new.read(n, m) for n in new.names() if new.index[n]["moments"]
+               for m in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+    shutil.rmtree(ck / "step_00000010")
+    shutil.rmtree(ck / "step_00000020")
+    write_legacy(ck / "step_00000010", weights, moments, new_state := json.loads(
+        (reference / "checkpoints" / "step_00000010" / "state.json").read_text()),
+        (reference / "config.yaml").read_text())  # fmt: skip
+    assert new_state["step"] == 10
+    (ck / "latest").write_text("step_00000010")
+    run_train(run, 1, base(cache, "train.save_every=10", "resume=auto"))
+    _same_curve(metrics(reference), metrics(run))
+
+
+@pytest.mark.slow
+def test_offload_optimizer_resume_is_exact(cache, tmp_path):
+    """DeepSpeed's CPU Adam keeps its own form of Adam's step; resume restores it."""
+    over = base(cache, "train.max_steps=6", "train.save_every=3", "train.offload_optimizer=true")
+    run_train(tmp_path / "ref", 1, over)
+    kill_when_step(tmp_path / "run", 1, over, step=4)
+    run_train(tmp_path / "run", 1, [*over, "resume=auto"])
+    _same_curve(metrics(tmp_path / "ref"), metrics(tmp_path / "run"))
+
+
 @pytest.mark.parametrize(
-    "stage", [2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda s: f"zero{s}"
-)
-def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path, stage):
-    """2 ranks, ep 2, ZeRO-2/3 for 10 steps; then 1 rank continues: same curve as never stopping."""
+    "stage,target",
+    [(2, [1]), pytest.param(2, [2, "parallel.zero_stage=3"], marks=pytest.mark.slow),
+     pytest.param(2, [2, "parallel.zero_stage=1", "parallel.ep_size=2"], marks=pytest.mark.slow),
+     pytest.param(3, [1], marks=pytest.mark.slow)],
+    ids=["zero2-to-1rank", "zero2-to-zero3", "zero2-to-zero1-ep2", "zero3-to-1rank"],
+)  # fmt: skip
+def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_path, stage, target):
+    """2 ranks, ep 2, ZeRO-2 or ZeRO-3 for 10 steps; then another layout continues (1 rank;
+    2 ranks ZeRO-3; 2 ranks ZeRO-1 ep 2): same curve as never stopping."""
     run = tmp_path / "run"
     kill_when_step(
         run,
@@ -112,15 +182,15 @@ def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_pat
         12,
     )
     assert (run / "checkpoints" / "latest").read_text() == "step_00000010"
-    from safetensors.torch import load_file
+    from llmtrain.checkpoint import ShardedReader
 
     ck = run / "checkpoints" / "step_00000010"
-    moments = load_file(str(ck / "optimizer.safetensors"))
-    exp = moments["model.layers.1.mlp.experts.w_gate_up::exp_avg_sq"]
+    assert sorted(p.name for p in ck.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    exp = ShardedReader(ck).read("model.layers.1.mlp.experts.w_gate_up", "exp_avg_sq")
     assert (
         exp.shape[0] == 8 and (exp[:4].abs().sum() > 0) and (exp[4:].abs().sum() > 0)
     )  # both ranks' experts
-    run_train(run, 1, base(cache, "train.save_every=10", "resume=auto"))
+    run_train(run, target[0], base(cache, "train.save_every=10", "resume=auto", *target[1:]))
     ref, got = metrics(reference), metrics(run)
     for a, b in zip(ref, got):
         assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])

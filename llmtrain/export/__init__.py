@@ -1,9 +1,10 @@
 """Export to the Hugging Face DeepseekV3/V2 layout, streamed shard by shard, verified against
 stock transformers, and pushed to the Hub.
 
-Input is our consolidated checkpoint (whatever ZeRO stage and expert-parallel layout wrote it:
-the trainer gathers every partition and every expert at save time), a run directory (its
-latest checkpoint), or a Hugging Face directory (re-export)."""
+Input is one of our checkpoints (whatever ZeRO stage and expert-parallel layout wrote it: the
+sharded format places every rank's pieces in the full tensors, read here through
+llmtrain.checkpoint without a process group), a run directory (its latest checkpoint), or a
+Hugging Face directory (re-export)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+import llmtrain.checkpoint.format as ckfmt
+from llmtrain.checkpoint import CheckpointError, open_checkpoint
 from llmtrain.config import ModelConfig, load_config
 from llmtrain.errors import LlmtrainError, ensure_dir
 from llmtrain.hf import hf_config_from_model, state_dict_to_hf
-from llmtrain.tensor_io import ShardWriter, TensorFileError, read_header, read_tensors, tensor_files
+from llmtrain.tensor_io import EXPERT_SUFFIXES, ShardWriter, TensorFileError
 
 logger = logging.getLogger(__name__)
 
@@ -47,23 +50,17 @@ def parse_size(s: str | int) -> int:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint dir, or a run dir (its latest complete checkpoint)."""
-    from llmtrain.train.checkpoint import latest_checkpoint
-
-    p = Path(path)
-    if (p / "state.json").is_file():
-        return p
-    if (p / "checkpoints").is_dir():
-        ck = latest_checkpoint(p)
-        if ck is None:
-            raise ExportError(f"run directory {p} has no complete checkpoint yet")
-        return ck
-    raise ExportError(
-        f"{p} is neither a checkpoint (state.json) nor a run directory (checkpoints/)"
-    )
+    try:
+        return ckfmt.resolve_checkpoint(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
 
 
 class CheckpointSource:
-    """Tensors of one of our checkpoints, read one at a time (safetensors, memory-mapped)."""
+    """Tensors of one of our checkpoints (sharded, or the earlier consolidated format), read one
+    at a time through llmtrain.checkpoint; stacked experts a block of experts at a time."""
+
+    ROW_BYTES = 256 * 2**20  # experts are read in blocks of at most this many bytes
 
     def __init__(self, path: str | Path):
         self.dir = resolve_checkpoint(path)
@@ -73,8 +70,8 @@ class CheckpointSource:
         self.config = load_config(cfg_file)
         self.state = json.loads((self.dir / "state.json").read_text())
         try:
-            self.wmap = tensor_files(self.dir)
-        except TensorFileError as e:
+            self.reader = open_checkpoint(self.dir)
+        except (CheckpointError, TensorFileError) as e:
             raise ExportError(f"checkpoint {self.dir}: {e}") from e
         self._check_complete(self.config.model)
 
@@ -91,33 +88,36 @@ class CheckpointSource:
                 if n.endswith("e_score_correction_bias")
             }
         )
-        missing = sorted(set(expected) - set(self.wmap))
+        have = set(self.reader.names())
+        missing = sorted(set(expected) - have)
         if missing:
             raise ExportError(
                 f"checkpoint {self.dir} lacks {len(missing)} tensors, e.g. {missing[:4]}; it is incomplete"
             )
-        for f in sorted(set(self.wmap.values())):
-            path = self.dir / f
-            try:
-                header = read_header(path)
-            except TensorFileError as e:
-                raise ExportError(f"checkpoint shard {e}") from e
-            end = max((v["data_offsets"][1] for v in header.values()), default=0)
-            if path.stat().st_size < end:
-                raise ExportError(f"checkpoint shard {path} is truncated")
-            for k, info in header.items():
-                if k in expected and tuple(info["shape"]) != expected[k]:
-                    raise ExportError(
-                        f"{f}: {k} has shape {info['shape']}, config says {expected[k]}"
-                    )
+        for k in have & set(expected):
+            if self.reader.shape(k) != expected[k]:
+                raise ExportError(
+                    f"{self.dir}: {k} has shape {list(self.reader.shape(k))}, config says {expected[k]}"
+                )
 
     def tensors(self, split_experts: bool = True) -> Iterator[tuple[str, torch.Tensor, int]]:
         """(name, tensor, expert offset); stacked experts come one expert at a time."""
-        for f in sorted(set(self.wmap.values())):
-            try:
-                yield from read_tensors(self.dir / f, split_experts)
-            except TensorFileError as e:
-                raise ExportError(f"checkpoint shard {e}") from e
+        try:
+            for name in self.reader.names():
+                if split_experts and name.endswith(EXPERT_SUFFIXES):
+                    for r0, block in self._rows(name):
+                        for i in range(block.shape[0]):
+                            yield name, block[i : i + 1], r0 + i
+                else:
+                    yield name, self.reader.read(name), 0
+        except (CheckpointError, TensorFileError) as e:
+            raise ExportError(f"checkpoint {self.dir}: {e}") from e
+
+    def _rows(self, name: str):
+        if hasattr(self.reader, "rows"):
+            yield from self.reader.rows(name, self.ROW_BYTES)
+        else:
+            yield 0, self.reader.read(name)
 
     def tokenizer_file(self) -> Path | None:
         f = self.dir / "tokenizer.json"
@@ -253,20 +253,23 @@ def export(
 
 
 def save_consolidated(model, cfg, out: str | Path, tokenizer_file: Path | None = None) -> Path:
-    """Write an in-memory model as one of our consolidated checkpoints (what the trainer writes,
-    without optimizer state): e.g. weights imported with `llmtrain.from_pretrained`."""
+    """Write an in-memory model as one of our checkpoints (what the trainer writes, without
+    optimizer state): e.g. weights imported with `llmtrain.from_pretrained`."""
     import yaml
 
-    from llmtrain.tensor_io import write_sharded
-    from llmtrain.train.checkpoint import SHARD_BYTES
+    from llmtrain.checkpoint.format import write_full_tensors
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()
+    tensors = {k: v for k, v in model.state_dict().items()
                if not k.endswith(("last_counts", "load_since_update", "inv_freq"))}  # fmt: skip
     if cfg.model.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    write_sharded(tensors, out, "model", SHARD_BYTES)
+    kinds = {k: "buffer" for k in tensors if k.endswith("e_score_correction_bias")}
+    write_full_tensors(
+        out,
+        {k: (tuple(v.shape), lambda v=v: v.detach().float().cpu()) for k, v in tensors.items()},
+        kinds=kinds,
+    )
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     (out / "state.json").write_text(json.dumps({"step": 0, "tokens_seen": 0, "flops": 0}))
     if tokenizer_file is not None:

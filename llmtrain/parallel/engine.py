@@ -1,5 +1,6 @@
 """The one module that talks to DeepSpeed: process groups, the DeepSpeed config built from ours,
-`deepspeed.initialize`, backward/step, and full (consolidated) views of weights and Adam moments.
+`deepspeed.initialize`, backward/step, and each rank's local fragments of fp32 weights and Adam
+moments (what sharded checkpoints save and restore).
 
 Expert parallelism rides on DeepSpeed's own machinery: expert parameters are tagged
 (`allreduce=False`, `group_name`) and the optimizer gets DeepSpeed's MoE parameter groups.
@@ -356,7 +357,7 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
-    # ------------------------------------------------------------ full views (checkpoints)
+    # ------------------------------------------------------------ optimizer state
 
     def _base_optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)
@@ -369,55 +370,105 @@ class Engine:
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
 
-    def full_param(self, p: torch.Tensor) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        v = safe_get_full_fp32_param(p)
-        return (v if v is not None else p.detach().float()).cpu()
-
-    def full_moment(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        v = safe_get_full_optimizer_state(p, key)
-        if v is None:
-            state = self._base_optimizer().state.get(p, {})
-            v = state.get(key, torch.zeros_like(p, dtype=torch.float32))
-        return v.detach().float().cpu()
-
     def optimizer_step_count(self) -> int:
         for st in self._base_optimizer().state.values():
             if "step" in st:
                 return int(st["step"])
         return 0
 
-    def ensure_optimizer_state(self, step: int) -> None:
-        """Adam creates its state lazily at the first step; resuming needs it before that."""
+    # ------------------------------------------------------------ local fragments (sharded checkpoints)
+    # What this rank holds of each parameter, as writable 1-D views, without gathering anything:
+    # ZeRO-0 the whole parameter and the torch optimizer's state, ZeRO-1/2 `param._hp_mapping`
+    # (one fragment of the flattened parameter, views into the flat fp32 partition and its Adam
+    # state), ZeRO-3 the rank's slice [r*P, min((r+1)*P, numel)) of the flat fp32 partition.
+
+    def prepare_optimizer_state(self, step: int | None = None) -> None:
+        """Create Adam's state where it does not exist yet (it is lazy) and link the fragments to
+        it; `step` (when given) is written into every state in the form the optimizer keeps it."""
         base = self._base_optimizer()
-        # ZeRO-3 hands its flat fp32 partitions to the optimizer only during step
-        # (deepspeed/runtime/zero/stage3.py:1252-1260): take them from the ZeRO optimizer
-        flats = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
-        params = flats if flats is not None else [p for g in base.param_groups for p in g["params"]]
-        for p in params:
+        cpu_adam = type(base).__name__ == "DeepSpeedCPUAdam"
+        for p, g in self._optimizer_params():
             st = base.state[p]
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["step"] = torch.tensor(float(step))
+                st.setdefault("step", 0)
+            if step is not None:
+                st["step"] = self._step_value(step, p, g, cpu_adam)
+            elif not cpu_adam and not torch.is_tensor(st["step"]):
+                st["step"] = self._step_value(int(st["step"]), p, g, cpu_adam)
         self.relink_optimizer_state()
 
-    def set_full(self, p: torch.Tensor, value: torch.Tensor, key: str | None) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        value = value.to(device=p.device, dtype=torch.float32)
-        if key is None:
-            safe_set_full_fp32_param(p, value)
-            for gate in routers(self.model):
-                if gate.weight is p and gate.fp32_weight is not None:
-                    gate.set_fp32_weight(value)
+    def _optimizer_params(self):
+        """(tensor the optimizer steps, its param group): ZeRO-3 puts its flat fp32 partitions
+        into the groups only during a step (stage3.py `_optimizer_step`), so list them here."""
+        base, opt = self._base_optimizer(), self.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):
+            for i, p in enumerate(opt.fp32_partitioned_groups_flat):
+                yield p, base.param_groups[opt.sub_group_to_group_id[i]]
         else:
-            safe_set_full_optimizer_state(p, value, key)
-        if not hasattr(p, "ds_id") and not hasattr(p, "_hp_mapping"):  # no ZeRO partitioning
-            if key is None:
-                p.data.copy_(value)
-            else:
-                self._base_optimizer().state[p][key].copy_(value)
+            for g in base.param_groups:
+                for p in g["params"]:
+                    yield p, g
+
+    @staticmethod
+    def _step_value(step: int, p: torch.Tensor, group: dict, cpu_adam: bool):
+        """DeepSpeed's CPU Adam keeps a Python int; torch's fused (Adam)W a float32 tensor on the
+        parameter's device; the other torch implementations a float tensor on the CPU."""
+        if cpu_adam:
+            return int(step)
+        if group.get("fused") or group.get("capturable"):
+            return torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        return torch.tensor(float(step), dtype=torch.get_default_dtype())
+
+    def local_fragment(self, p: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """(start within the flattened local parameter, {"fp32", "exp_avg", "exp_avg_sq"} views
+        of equal length) for what this rank holds of `p`, or None. Call
+        `prepare_optimizer_state` first so the moments exist."""
+        if self.zero_stage == 3 or hasattr(p, "ds_id"):
+            opt = p._z3_optimizer
+            numel = p.ds_numel
+            part = p.ds_tensor.numel()
+            start = opt._get_param_partition_rank(p) * part
+            n = max(0, min(part, numel - start))
+            if n == 0:
+                return None
+            views = {}
+            for key in (None, "exp_avg", "exp_avg_sq"):
+                v, _ = opt._get_fp32_opt_state_partition(p, False, optim_state_key=key)
+                views[key or "fp32"] = v.narrow(0, 0, n)
+            return start, views
+        mapping = getattr(p, "_hp_mapping", "absent")
+        if mapping == "absent":  # no ZeRO partitioning: the parameter is its own master
+            st = self._base_optimizer().state[p]
+            return 0, {
+                "fp32": p.data.view(-1),
+                "exp_avg": st["exp_avg"].view(-1),
+                "exp_avg_sq": st["exp_avg_sq"].view(-1),
+            }
+        if mapping is None:
+            return None
+        addr = mapping.lp_fragment_address
+        if addr.numel == 0:
+            return None
+        views = {"fp32": mapping.get_hp_fragment()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            views[key] = mapping.get_hp_fragment(key)
+        return addr.start, views
+
+    def refresh_low_precision(self) -> None:
+        """After fp32 master fragments were written: copy them into the parameters the model
+        computes with (ZeRO-1/2: each rank its partition, then DeepSpeed's all-gather)."""
+        opt = self.optimizer
+        if self.zero_stage == 0:
+            return
+        if hasattr(opt, "update_lp_params"):
+            opt.update_lp_params()
+        elif hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: partitions are local
+            for lp, hp in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
+                if hp.numel():
+                    lp.data.copy_(hp.data)
+        else:
+            raise NotImplementedError(f"cannot refresh weights of {type(opt).__name__}")
+        if self.engine.bfloat16_enabled():
+            refresh_fp32_routers(self.model)  # routers compute with the restored fp32 masters

@@ -1,17 +1,16 @@
 """Periodic lm-evaluation-harness tasks during training (train.eval_tasks, train.eval_tasks_every).
 
-Every rank takes part in gathering the current weights (one tensor at a time, the same
-collectives a checkpoint uses); rank 0 streams them into a temporary consolidated checkpoint,
-exports it to a temporary Hugging Face directory (llmtrain.export) and runs the harness on it in
-stock transformers. The scores join that step's metrics record, so they land in metrics.jsonl
-and TensorBoard as `eval/TASK/METRIC`. The other ranks wait in the next step's collective
-meanwhile: keep periodic tasks small (train.eval_tasks_limit), or evaluate saved checkpoints
-with `llmtrain eval` in a separate job.
+Every rank writes what it holds of the current weights into a sharded checkpoint under the run
+directory (the same parallel write as a training checkpoint: nothing is gathered, and every node
+sees the run directory); rank 0 exports it to a temporary Hugging Face directory (llmtrain.export,
+streamed one tensor at a time) and runs the harness on it in stock transformers. The scores join
+that step's metrics record, so they land in metrics.jsonl and TensorBoard as `eval/TASK/METRIC`.
+The other ranks wait at a barrier meanwhile: keep periodic tasks small (train.eval_tasks_limit),
+or evaluate saved checkpoints with `llmtrain eval` in a separate job.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -31,52 +30,33 @@ def due(t, done: int) -> bool:
     return done % every == 0 or done == t.max_steps
 
 
-def _write_current_weights(engine, model, cfg, out: Path, tokenizer_file: Path, rank: int):
-    from llmtrain.parallel.engine import is_expert_param
-    from llmtrain.tensor_io import ShardWriter
-    from llmtrain.train.checkpoint import SHARD_BYTES, _ep_gather
-
-    ep = engine.layout.ep_size
-    group = model.moe_layers()[0].dispatcher.group if ep > 1 else None
-    w = ShardWriter(out, SHARD_BYTES, "model") if rank == 0 else None
-    for name, p in model.named_parameters():
-        full = engine.full_param(p)
-        full = _ep_gather(full, group, ep) if is_expert_param(name) else full
-        if w is not None:
-            w.add(name, full)
-    if w is None:
-        return
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            w.add(name, b.detach().float().cpu())
-    w.finish()
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    (out / "state.json").write_text(json.dumps({"step": 0, "tokens_seen": 0, "flops": 0}))
-    if tokenizer_file.is_file():
-        shutil.copy(tokenizer_file, out / "tokenizer.json")
-
-
-def periodic_evals(cfg, engine, model, done: int, rank: int, tokenizer_file: Path) -> dict:
+def periodic_evals(run, done: int) -> dict:
     """All ranks call it after each step; {} unless tasks are due. Rank 0 gets the scores."""
-    t = cfg.train
+    from llmtrain.train.checkpointing import Checkpointer
+
+    cfg, t, rank = run.cfg, run.cfg.train, run.rank
     if not due(t, done):
         return {}
     scores: dict = {}
-    with tempfile.TemporaryDirectory(prefix="llmtrain-evals-") as tmp:
-        ck = Path(tmp) / "ck"
-        if rank == 0:
-            ck.mkdir()
-        _write_current_weights(engine, model, cfg, ck, tokenizer_file, rank)
-        if rank == 0:
-            from llmtrain.eval import evaluate_hf_dir, flat_metrics
-            from llmtrain.export import export
+    scratch = run.run_dir / ".evals-tmp"
+    if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    comm.barrier()
+    writer = Checkpointer(scratch, run.model, rank, keep_last=1)
+    writer.engine = run.engine
+    state = {"step": done, "tokens_seen": done * run.layout.tokens_per_step, "flops": 0}
+    ck = writer.save(done, state, yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+                     run.tokenizer_file)  # fmt: skip
+    if rank == 0:
+        from llmtrain.eval import evaluate_hf_dir, flat_metrics
+        from llmtrain.export import export
 
+        with tempfile.TemporaryDirectory(prefix="llmtrain-evals-") as tmp:
             hf = export(ck, Path(tmp) / "hf", dtype="fp32", mtp=False)
             res = evaluate_hf_dir(hf, list(t.eval_tasks), limit=t.eval_tasks_limit or None,
                                   batch_size=t.micro_batch_size)  # fmt: skip
-            scores = flat_metrics(res)
-            logger.info(
-                "step %d evals: %s", done, ", ".join(f"{k}={v:.4g}" for k, v in scores.items())
-            )
+        scores = flat_metrics(res)
+        logger.info("step %d evals: %s", done, ", ".join(f"{k}={v:.4g}" for k, v in scores.items()))
+        shutil.rmtree(scratch, ignore_errors=True)
     comm.barrier()
     return scores

@@ -29,7 +29,7 @@ from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
-from llmtrain.train import checkpoint as ckpt
+from llmtrain.train.checkpointing import Checkpointer
 from llmtrain.train.evals import periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
@@ -108,11 +108,78 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
             dist.destroy_process_group()
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one run share."""
+
+    cfg: Config
+    run_dir: Path
+    layout: Any
+    rank: int
+    world: int
+    device: torch.device
+    train_ds: PackedDataset
+    val_ds: PackedDataset
+    tokenizer_file: Path
+    model: Any = None
+    engine: Any = None
+    checkpointer: Checkpointer | None = None
+    start_step: int = 0
+    nonfinite_in_row: int = 0
+    skipped_total: int = 0
+
+
 def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher):
     t = cfg.train
     if rank == 0:
         logger.info("layout: %s", layout.describe())
-    # ---------------------------------------------------------------- data
+    run = _load_data(cfg, run_dir, layout, rank, world, local_rank, device)
+    run.checkpointer = Checkpointer(run_dir, None, rank, t.keep_last)
+    ck_dir = run.checkpointer.resolve(resume)
+    if ck_dir is not None:
+        _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg)
+    _build(run, Engine, make_dispatcher, init_from=t.init_from if ck_dir is None else None)
+    _restore(run, ck_dir)
+
+    counts = count(cfg.model, seq_len=t.seq_len)
+    peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
+    metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world)
+    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(config_yaml)
+
+    faults = _fault_steps()
+    final: dict[str, Any] = {}
+    run.engine.train()
+    last_saved = run.start_step if ck_dir is not None else -1
+    for step in range(run.start_step, t.max_steps):
+        t0 = time.perf_counter()
+        record, step_loads = _step(run, step, faults)
+        done = step + 1
+        if done % t.eval_every == 0 or done == t.max_steps:
+            record["val_loss"] = evaluate(
+                run.engine, run.val_ds, layout, rank, world, device, t.eval_batches,
+                run.train_ds.eos_id, cfg.data.doc_mask,
+            )  # fmt: skip
+        evals = periodic_evals(run, done)  # {} unless harness tasks are due
+        record.update(evals)
+        if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals:
+            metrics.log(
+                record, run.model, time.perf_counter() - t0, layout.tokens_per_step, step_loads
+            )
+        else:
+            metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
+        final = record
+        if (done % t.save_every == 0 or done == t.max_steps) and run.nonfinite_in_row == 0:
+            _save(run, done, record, counts.flops_per_token, config_yaml)
+            last_saved = done
+    metrics.close()
+    _finish(run, final, last_saved)
+    return final
+
+
+def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
+    t = cfg.train
     data_dir = prepare_data(cfg.data, cfg.model.vocab_size, local_rank=local_rank)
     comm.barrier()
     train_ds = PackedDataset(data_dir, "train", t.seq_len)
@@ -126,176 +193,150 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             f"the training split holds {train_ds.n_seq} sequences of {t.seq_len}, fewer than one "
             f"global batch ({layout.global_batch}); add data or lower train.global_batch_size"
         )
-    tokenizer_file = data_dir / "tokenizer.json"
+    return _Run(cfg, run_dir, layout, rank, world, device, train_ds, val_ds,
+                data_dir / "tokenizer.json")  # fmt: skip
 
-    # ---------------------------------------------------------------- resume point
-    start_step, ck_state, ck_weights, ck_moments = 0, {}, None, None
-    ck_dir = None
-    if resume == "auto":
-        ck_dir = ckpt.latest_checkpoint(run_dir)
-    elif resume != "never":
-        ck_dir = Path(resume)
-    if ck_dir is not None:
-        ck_weights, ck_moments, ck_state = ckpt.read_checkpoint(ck_dir)
-        _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg)
-        start_step = int(ck_state["step"])
 
-    # ---------------------------------------------------------------- model + engine
-    dispatcher = make_dispatcher(layout)
-    if ck_dir is None:  # a fresh run: under ZeRO-3 each rank allocates only its partition
-        from llmtrain.parallel.engine import sharded_build
+def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
+    """Model (from the seed, or `train.init_from`'s weights) and the DeepSpeed engine. Each rank
+    allocates only what it keeps: its experts, and under ZeRO-3 its partition (zero.Init); a
+    resume then writes the checkpoint's pieces into the engine (`_restore`)."""
+    from llmtrain.parallel.engine import sharded_build
 
-        hooks = sharded_build(cfg, layout, dispatcher)
-        model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher, **hooks)
-        if t.init_from:
-            from llmtrain.hf import load_hf_into, model_config_from_hf
+    cfg, t = run.cfg, run.cfg.train
+    dispatcher = make_dispatcher(run.layout)
+    hooks = sharded_build(cfg, run.layout, dispatcher)
+    model = build_model(cfg.model, device=run.device, seed=t.seed, dispatcher=dispatcher, **hooks)
+    if init_from:
+        from llmtrain.hf import load_hf_into, model_config_from_hf
 
-            hf = json.loads((Path(t.init_from) / "config.json").read_text())
-            _check_init_from(model_config_from_hf(hf), cfg.model, t.init_from)
-            # only this rank's experts are read; weights gathered one at a time under ZeRO-3
-            load_hf_into(model, Path(t.init_from), cfg.model, gather=hooks.get("gather"))
-    else:  # resuming copies whole weights into the model before the engine exists
-        model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
-    if ck_weights is not None:
-        ckpt.load_weights_into(model, ck_weights)
+        hf_cfg = model_config_from_hf(json.loads((Path(init_from) / "config.json").read_text()))
+        _check_init_from(hf_cfg, cfg.model, init_from)
+        # only this rank's experts are read; weights gathered one at a time under ZeRO-3
+        load_hf_into(model, Path(init_from), cfg.model, gather=hooks.get("gather"))
     model.gradient_checkpointing = t.activation_checkpointing
-    engine = Engine(model, cfg, layout)
-    if ck_weights is not None:
-        ckpt.restore_optimizer(engine, model, ck_weights, ck_moments, start_step)
-        if "__rng__::torch_cpu" in ck_moments:  # training itself draws none; user code may
-            torch.set_rng_state(ck_moments["__rng__::torch_cpu"])
-    if rank == 0 and ck_dir is not None:
-        logger.info("resumed from %s at step %d", ck_dir, start_step)
+    run.model, run.engine = model, Engine(model, cfg, run.layout)
+    run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
 
-    # ---------------------------------------------------------------- metrics
-    counts = count(cfg.model, seq_len=t.seq_len)
-    peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
-    metrics = MetricsLogger(run_dir, rank, t, start_step, counts.flops_per_token, peak, world)
-    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    if rank == 0:
-        (run_dir / "config.yaml").write_text(config_yaml)
 
-    faults = _fault_steps()
-    nonfinite_in_row = int(ck_state.get("nonfinite_in_row", 0))
-    skipped_total = int(ck_state.get("skipped_steps", 0))
-    eos = train_ds.eos_id
-    final: dict[str, Any] = {}
-    engine.train()
-    step = start_step
-    last_saved = start_step if ck_dir is not None else -1
-    for step in range(start_step, t.max_steps):
-        t0 = time.perf_counter()
-        lr = lr_at(t, step)
-        micro = batches_for_step(
-            train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
-        )
-        lm_sum = torch.zeros((), dtype=torch.float64)
-        aux_sum = torch.zeros((), dtype=torch.float64)
-        engine.set_lr(lr)
-        for mb in micro:
-            x, y = train_ds.batch(mb)
-            x, y = x.to(device), y.to(device)
-            mask = DocumentMask.from_eos(x, eos) if cfg.data.doc_mask else None
-            out = engine(
-                x, labels=y, attention_mask=mask, check_inputs=False
-            )  # ids checked once: tokenizer fits
-            loss = out.loss * float("nan") if step in faults else out.loss
-            # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
-            # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
-            engine.backward(loss)
-            engine.step()
-            lm_sum += out.lm_loss.detach().double().cpu() * (
-                float("nan") if step in faults else 1.0
-            )
-            aux_sum += out.aux_loss.detach().double().cpu()
-        stats = torch.stack([lm_sum, aux_sum]).to(device)
-        comm.all_reduce(stats)
-        gnorm = engine.grad_norm()
-        bad = not (math.isfinite(float(stats[0])) and math.isfinite(gnorm))
-        # aux-loss-free balancing on the global expert load: every rank applies the same update
-        loads = model.expert_loads().to(device).float()
-        if loads.numel():
-            comm.all_reduce(loads)
-            step_loads = loads.clone()
-            if bad:
-                loads.zero_()  # a skipped step moves no bias
-            model.update_router_biases(loads)
-        else:
-            step_loads = None
+def _restore(run: _Run, ck_dir: Path | None) -> dict:
+    """Weights, Adam moments, router biases, RNG and counters from the checkpoint, if any."""
+    if ck_dir is None:
+        return {}
+    state = run.checkpointer.restore(ck_dir)
+    run.start_step = int(state["step"])
+    run.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+    run.skipped_total = int(state.get("skipped_steps", 0))
+    if run.rank == 0:
+        logger.info("resumed from %s at step %d", ck_dir, run.start_step)
+    return state
+
+
+def _step(run: _Run, step: int, faults: set[int]) -> tuple[dict, torch.Tensor | None]:
+    """One optimizer step over the global batch; returns the metrics record and expert loads."""
+    cfg, t, layout, engine, model = run.cfg, run.cfg.train, run.layout, run.engine, run.model
+    device, rank, world = run.device, run.rank, run.world
+    lr = lr_at(t, step)
+    micro = batches_for_step(
+        run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
+    )
+    lm_sum = torch.zeros((), dtype=torch.float64)
+    aux_sum = torch.zeros((), dtype=torch.float64)
+    engine.set_lr(lr)
+    for mb in micro:
+        x, y = run.train_ds.batch(mb)
+        x, y = x.to(device), y.to(device)
+        mask = DocumentMask.from_eos(x, run.train_ds.eos_id) if cfg.data.doc_mask else None
+        out = engine(
+            x, labels=y, attention_mask=mask, check_inputs=False
+        )  # ids checked once: tokenizer fits
+        loss = out.loss * float("nan") if step in faults else out.loss
+        # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
+        # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
+        engine.backward(loss)
+        engine.step()
+        lm_sum += out.lm_loss.detach().double().cpu() * (float("nan") if step in faults else 1.0)
+        aux_sum += out.aux_loss.detach().double().cpu()
+    stats = torch.stack([lm_sum, aux_sum]).to(device)
+    comm.all_reduce(stats)
+    gnorm = engine.grad_norm()
+    bad = not (math.isfinite(float(stats[0])) and math.isfinite(gnorm))
+    # aux-loss-free balancing on the global expert load: every rank applies the same update
+    loads = model.expert_loads().to(device).float()
+    if loads.numel():
+        comm.all_reduce(loads)
+        step_loads = loads.clone()
         if bad:
-            nonfinite_in_row += 1
-            skipped_total += 1
-            if rank == 0:
-                logger.warning(
-                    "step %d: non-finite loss or gradients; step skipped (%d in a row)",
-                    step,
-                    nonfinite_in_row,
-                )
-            if nonfinite_in_row >= t.max_nonfinite:
-                raise TrainingError(
-                    f"{nonfinite_in_row} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite}) at "
-                    f"step {step}; the last good checkpoint is kept in {run_dir / 'checkpoints'}. Lower "
-                    "train.lr, check the data, or raise train.max_nonfinite"
-                )
-        else:
-            nonfinite_in_row = 0
-        n_micro = len(micro) * world
-        record = {
-            "step": step + 1,
-            "loss": float(stats[0]) / n_micro if not bad else float("nan"),
-            "aux_loss": float(stats[1]) / n_micro if not bad else float("nan"),
-            "lr": lr,
-            "grad_norm": gnorm,
-            "skipped": bad,
-            "skipped_total": skipped_total,
-        }
-        done = step + 1
-        if done % t.eval_every == 0 or done == t.max_steps:
-            record["val_loss"] = evaluate(
-                engine, val_ds, layout, rank, world, device, t.eval_batches, eos, cfg.data.doc_mask
+            loads.zero_()  # a skipped step moves no bias
+        model.update_router_biases(loads)
+    else:
+        step_loads = None
+    if bad:
+        run.nonfinite_in_row += 1
+        run.skipped_total += 1
+        if rank == 0:
+            logger.warning(
+                "step %d: non-finite loss or gradients; step skipped (%d in a row)",
+                step,
+                run.nonfinite_in_row,
             )
-        evals = periodic_evals(cfg, engine, model, done, rank, tokenizer_file)  # {} unless due
-        record.update(evals)
-        if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals:
-            metrics.log(record, model, time.perf_counter() - t0, layout.tokens_per_step, step_loads)
-        else:
-            metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
-        final = record
-        if (done % t.save_every == 0 or done == t.max_steps) and nonfinite_in_row == 0:
-            state = {
-                "step": done,
-                "consumed_samples": done * layout.global_batch,
-                "skipped_steps": skipped_total,
-                "nonfinite_in_row": 0,
-                "world_size": world,
-                "ep_size": layout.ep_size,
-                "zero_stage": layout.zero_stage,
-                "tokens_seen": done * layout.tokens_per_step,
-                "flops": done * layout.tokens_per_step * counts.flops_per_token,
-                "loss": record["loss"],
-                "val_loss": record.get("val_loss"),
-            }
-            ckpt.save_checkpoint(
-                run_dir, done, engine, model, state, config_yaml, tokenizer_file, t.keep_last, rank
+        if run.nonfinite_in_row >= t.max_nonfinite:
+            raise TrainingError(
+                f"{run.nonfinite_in_row} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite}) at "
+                f"step {step}; the last good checkpoint is kept in {run.run_dir / 'checkpoints'}. Lower "
+                "train.lr, check the data, or raise train.max_nonfinite"
             )
-            last_saved = done
-    metrics.close()
-    if t.sample_tokens and t.max_steps > start_step:
+    else:
+        run.nonfinite_in_row = 0
+    n_micro = len(micro) * world
+    record = {
+        "step": step + 1,
+        "loss": float(stats[0]) / n_micro if not bad else float("nan"),
+        "aux_loss": float(stats[1]) / n_micro if not bad else float("nan"),
+        "lr": lr,
+        "grad_norm": gnorm,
+        "skipped": bad,
+        "skipped_total": run.skipped_total,
+    }
+    return record, step_loads
+
+
+def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yaml: str) -> None:
+    layout = run.layout
+    state = {
+        "step": done,
+        "consumed_samples": done * layout.global_batch,
+        "skipped_steps": run.skipped_total,
+        "nonfinite_in_row": 0,
+        "world_size": run.world,
+        "ep_size": layout.ep_size,
+        "zero_stage": layout.zero_stage,
+        "tokens_seen": done * layout.tokens_per_step,
+        "flops": done * layout.tokens_per_step * flops_per_token,
+        "loss": record["loss"],
+        "val_loss": record.get("val_loss"),
+    }
+    run.checkpointer.save(done, state, config_yaml, run.tokenizer_file)
+
+
+def _finish(run: _Run, final: dict, last_saved: int) -> None:
+    """Sample some text and print the closing line."""
+    t, rank = run.cfg.train, run.rank
+    if t.sample_tokens and t.max_steps > run.start_step:
         final["sample"] = _sample(
-            model, tokenizer_file, device, t.sample_tokens, layout.zero_stage, rank
+            run.model, run.tokenizer_file, run.device, t.sample_tokens, run.layout.zero_stage, rank
         )
         if rank == 0:
             print(f"\n--- sample after {t.max_steps} steps ---\n{final['sample']}\n---")
-            (run_dir / "sample.txt").write_text(final["sample"])
+            (run.run_dir / "sample.txt").write_text(final["sample"])
     final["last_checkpoint"] = last_saved
     if rank == 0 and "val_loss" in final:
-        h = train_ds.unigram_entropy()
+        h = run.train_ds.unigram_entropy()
         final["unigram_entropy"] = h
         print(
             f"validation loss {final['val_loss']:.3f} nats vs unigram entropy {h:.3f} nats of the data; "
-            f"checkpoint {run_dir / 'checkpoints' / f'step_{last_saved:08d}'}"
+            f"checkpoint {run.run_dir / 'checkpoints' / f'step_{last_saved:08d}'}"
         )
-    return final
 
 
 @torch.no_grad()

@@ -1,0 +1,402 @@
+"""The sharded checkpoint format: every tensor a flat 1-D tensor, written by the ranks that own
+its pieces, read back at any layout through torch.distributed.checkpoint (DCP).
+
+Why DCP with custom planners (and not DTensor, ShardedTensor or DeepSpeed's universal
+checkpoint): ZeRO-1/2 split each parameter at arbitrary offsets of a flat buffer, which neither
+DTensor's even `Shard(0)` nor a collective ShardedTensor construction expresses, and the
+universal checkpoint finds experts only under AutoEP's fixed names. DCP's public planner classes
+take any non-overlapping 1-D chunks (`WriteItem(type=SHARD)`, `ChunkStorageMetadata`), write
+one file per rank in parallel, record the chunks in `.metadata`, and on load compute the
+overlaps each rank needs, so a rank reads only the stored chunks that meet its own pieces.
+
+A checkpoint directory holds DCP's files (`.metadata`, `__{rank}_0.distcp`) plus
+`tensors.json` (each tensor's saved shape and kind), `state.json` (run state), `config.yaml`
+and `tokenizer.json`. DCP keys: `model/<name>` (fp32 weights and router-bias buffers),
+`optim/<moment>/<name>` (Adam moments), `rng/<rank>` (bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from llmtrain.errors import LlmtrainError
+
+FORMAT = "llmtrain-dcp-1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+INDEX_FILE = "tensors.json"
+
+
+class CheckpointError(LlmtrainError, RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model; the message says which."""
+
+
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def moment_key(moment: str, name: str) -> str:
+    return f"optim/{moment}/{name}"
+
+
+@dataclass
+class Piece:
+    """Elements [start, start+numel) of the flattened full tensor `key` (of `full_numel`).
+
+    Save: `tensor` (a 1-D view) or `produce` (called when DCP writes it: lazy reads).
+    Load: `tensor` is filled in place, or, without it, a buffer is handed to `consume`."""
+
+    key: str
+    full_numel: int
+    start: int
+    numel: int
+    tensor: torch.Tensor | None = None
+    produce: Callable[[], torch.Tensor] | None = None
+    consume: Callable[[torch.Tensor], None] | None = None
+    dtype: torch.dtype = torch.float32
+
+    def data(self) -> torch.Tensor:
+        t = self.tensor if self.tensor is not None else self.produce()
+        return t.detach().reshape(-1)
+
+
+def _chunk(p: Piece) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([p.start]), sizes=torch.Size([p.numel]))
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Emits one SHARD write item per piece; identical pieces held by several ranks (replicated
+    buffers) are written once, by the lowest rank (DCP's dedup)."""
+
+    def __init__(self, pieces: list[Piece], blobs: dict[str, bytes], on_write=None):
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True
+        )
+        self.pieces = {(p.key, p.start): p for p in pieces if p.numel > 0}
+        self.blobs = blobs
+        self.on_write = on_write
+        self.n_written = 0
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for p in self.pieces.values():
+            props = TensorProperties(dtype=p.dtype)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(p.key, torch.Size([p.start])),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=_chunk(p), properties=props, size=torch.Size([p.full_numel])
+                    ),
+                )
+            )
+        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.blobs[write_item.index.fqn])
+        p = self.pieces[(write_item.index.fqn, write_item.index.offset[0])]
+        t = p.data()
+        if t.numel() != p.numel or t.dtype != p.dtype:
+            raise CheckpointError(f"{p.key}: piece of {t.numel()} {t.dtype}, planned {p.numel}")
+        self.n_written += 1
+        if self.on_write is not None:
+            self.on_write(self.n_written, len(self.pieces))
+        return t
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each local piece, the overlapping parts of the stored chunks (any split)."""
+
+    def __init__(self, pieces: list[Piece], blob_keys: list[str] = ()):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = [p for p in pieces if p.numel > 0]
+        self.blob_keys = list(blob_keys)
+        self.blobs: dict[str, bytes] = {}
+        self._buf: dict[int, torch.Tensor] = {}
+        self._left: dict[int, int] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        for i, p in enumerate(self.pieces):
+            saved = md.get(p.key)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint lacks {p.key}")
+            if saved.size != torch.Size([p.full_numel]):
+                raise CheckpointError(
+                    f"{p.key}: the checkpoint holds {math.prod(saved.size)} elements, the model "
+                    f"{p.full_numel}; it was written for another model config"
+                )
+            # one local chunk per piece; dest_index.index says which piece
+            got = create_read_items_for_chunk_list(p.key, saved, [_chunk(p)])
+            got = [dataclasses.replace(r, dest_index=MetadataIndex(p.key, r.dest_index.offset, i))
+                   for r in got]  # fmt: skip
+            if sum(math.prod(r.lengths) for r in got) != p.numel:
+                raise CheckpointError(f"{p.key}: the checkpoint does not cover [{p.start}, "
+                                      f"{p.start + p.numel}); it is incomplete")  # fmt: skip
+            self._left[i] = len(got)
+            items += got
+        for k in self.blob_keys:
+            if k in md:
+                z = torch.Size([0])
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k),
+                                      dest_offsets=z, storage_index=MetadataIndex(k),
+                                      storage_offsets=z, lengths=z))  # fmt: skip
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.blobs[read_item.dest_index.fqn] = value.read()
+
+    def _target(self, i: int) -> torch.Tensor:
+        p = self.pieces[i]
+        if p.tensor is not None:
+            return p.tensor.detach().view(-1)
+        if i not in self._buf:
+            self._buf[i] = torch.empty(p.numel, dtype=p.dtype)
+        return self._buf[i]
+
+    def resolve_tensor(self, read_item: ReadItem):
+        t = self._target(read_item.dest_index.index)
+        return t.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        i = read_item.dest_index.index
+        self._left[i] -= 1
+        if self._left[i] == 0 and i in self._buf:
+            self.pieces[i].consume(self._buf.pop(i))
+
+
+# ---------------------------------------------------------------- collective save / load
+
+
+def save_pieces(
+    path: Path,
+    pieces: list[Piece],
+    blobs: dict[str, bytes] | None = None,
+    on_write: Callable[[int, int], None] | None = None,
+    no_dist: bool = False,
+) -> None:
+    """Every rank writes its pieces into its own file under `path`; rank 0 writes `.metadata`.
+    Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before the i-th piece."""
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    planner = PieceSavePlanner(pieces, blobs or {}, on_write)
+    _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist)
+
+
+def load_pieces(
+    path: Path, pieces: list[Piece], blob_keys: list[str] = (), no_dist: bool = False
+) -> dict[str, bytes]:
+    """Fill each piece from the stored chunks it overlaps; returns the requested blobs present."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} has no .metadata: not a complete sharded checkpoint")
+    planner = PieceLoadPlanner(pieces, blob_keys)
+    reader = dcp.FileSystemReader(str(path))
+    _unwrapped(dcp.load, path, {}, storage_reader=reader, planner=planner, no_dist=no_dist)
+    return planner.blobs
+
+
+def _unwrapped(fn, path: Path, *args, **kwargs):
+    """DCP reports any rank's failure as a CheckpointException (a BaseException): raise ours,
+    with the first rank's message, on every rank."""
+    try:
+        with warnings.catch_warnings():  # "no process group: single process" is the intent
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            return fn(*args, **kwargs)
+    except CheckpointException as e:
+        errs = [exc for exc, _ in e.failures.values()]
+        ours = next((x for x in errs if isinstance(x, CheckpointError)), None)
+        if ours is not None:
+            raise CheckpointError(str(ours)) from None
+        raise CheckpointError(f"checkpoint {path}: {errs[0]!r}") from None
+
+
+# ---------------------------------------------------------------- index, run state, files
+
+
+def write_index(path: Path, tensors: dict[str, dict[str, Any]]) -> None:
+    """`tensors`: name -> {"shape": [...], "kind": "param" | "buffer", "moments": bool}."""
+    write_file(path / INDEX_FILE, json.dumps({"format": FORMAT, "tensors": tensors}, indent=1))
+
+
+def write_file(path: Path, text: str | bytes) -> None:
+    """Write and fsync a small file."""
+    data = text.encode() if isinstance(text, str) else text
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / INDEX_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def is_legacy(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() or (
+        path / "model.safetensors.index.json"
+    ).is_file()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `RUN/checkpoints/latest` names (None before the first save)."""
+    ptr = Path(run_dir) / "checkpoints" / "latest"
+    if not ptr.is_file():
+        return None
+    d = ptr.parent / ptr.read_text().strip()
+    if not (d / "state.json").is_file() or not (is_sharded(d) or is_legacy(d)):
+        raise CheckpointError(f"{ptr} names {d.name}, which is incomplete or missing")
+    return d
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    p = Path(path)
+    if (p / "state.json").is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        ck = latest_checkpoint(p)
+        if ck is None:
+            raise CheckpointError(f"run directory {p} has no complete checkpoint yet")
+        return ck
+    raise CheckpointError(
+        f"{p} is neither a checkpoint (state.json) nor a run directory (checkpoints/)"
+    )
+
+
+# ---------------------------------------------------------------- offline reading
+
+
+class ShardedReader:
+    """Reads a sharded checkpoint without a process group, one full tensor (or rows) at a time."""
+
+    def __init__(self, path: Path):
+        self.dir = Path(path)
+        try:
+            index = json.loads((self.dir / INDEX_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.dir / INDEX_FILE} is missing or corrupt: {e}") from e
+        if index.get("format") != FORMAT:
+            raise CheckpointError(f"{self.dir}: unknown checkpoint format {index.get('format')!r}")
+        self.index: dict[str, dict] = index["tensors"]
+        self._reader = dcp.FileSystemReader(str(self.dir))
+        try:
+            self._md = self._reader.read_metadata()
+        except Exception as e:
+            raise CheckpointError(f"{self.dir}/.metadata is missing or corrupt: {e}") from e
+        self._reader.set_up_storage_reader(self._md, True)
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.index[name]["shape"])
+
+    def has(self, key: str) -> bool:
+        return key in self._md.state_dict_metadata
+
+    def _read(self, key: str, start: int, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        planner = PieceLoadPlanner([Piece(key, self._full(key), start, numel, tensor=out)])
+        planner.set_up_planner({}, self._md, True)
+        plan = planner.create_local_plan()
+        try:
+            self._reader.read_data(plan, planner).wait()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            files = sorted({self._md.storage_data[r.storage_index].relative_path
+                            for r in plan.items})  # fmt: skip
+            raise CheckpointError(f"{self.dir}: reading {key} from {files} failed: {e}") from e
+        return out
+
+    def _full(self, key: str) -> int:
+        md = self._md.state_dict_metadata.get(key)
+        if md is None:
+            raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
+        return math.prod(md.size)
+
+    def read(self, name: str, moment: str | None = None) -> torch.Tensor:
+        key = model_key(name) if moment is None else moment_key(moment, name)
+        return self._read(key, 0, self._full(key)).view(self.shape(name))
+
+    def rows(self, name: str, max_bytes: int = 2**30) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, tensor of rows) blocks of at most ~max_bytes along dim 0."""
+        shape = self.shape(name)
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        n = max(1, max_bytes // max(1, 4 * row))
+        for r in range(0, shape[0] if shape else 1, n):
+            k = min(n, shape[0] - r)
+            yield r, self._read(model_key(name), r * row, k * row).view(k, *shape[1:])
+
+
+def write_full_tensors(
+    path: Path,
+    tensors: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]],
+    moments: dict[str, Callable[[str], torch.Tensor]] | None = None,
+    kinds: dict[str, str] | None = None,
+) -> None:
+    """One process writes full tensors, each read lazily when DCP writes it (conversion,
+    `save_consolidated`). `tensors`: name -> (shape, producer)."""
+    path.mkdir(parents=True, exist_ok=True)
+    pieces, index = [], {}
+    for name, (shape, produce) in tensors.items():
+        n = math.prod(shape)
+        pieces.append(Piece(model_key(name), n, 0, n, produce=produce))
+        has_m = moments is not None and name in moments
+        index[name] = {"shape": list(shape), "kind": (kinds or {}).get(name, "param"),
+                       "moments": has_m}  # fmt: skip
+        if has_m:
+            for m in MOMENTS:
+                pieces.append(Piece(moment_key(m, name), n, 0, n,
+                                    produce=lambda name=name, m=m: moments[name](m)))  # fmt: skip
+    save_pieces(path, pieces, no_dist=True)
+    write_index(path, index)

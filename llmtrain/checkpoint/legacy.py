@@ -1,0 +1,93 @@
+"""Checkpoints in the earlier consolidated format: full fp32 weights in `model*.safetensors`,
+full Adam moments as `<name>::exp_avg[_sq]` in `optimizer*.safetensors`, `__rng__::torch_cpu`.
+
+They are read one tensor at a time (resume, export, `from_pretrained`) and converted to the
+sharded format by `llmtrain checkpoint convert OLD NEW`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from llmtrain.checkpoint.format import MOMENTS, CheckpointError, write_full_tensors
+from llmtrain.tensor_io import _ST_DTYPES, TensorFileError, read_header, tensor_files
+
+RNG_KEY = "__rng__::torch_cpu"
+
+
+class LegacyReader:
+    """Tensors of a consolidated checkpoint, each read from its byte range on request."""
+
+    def __init__(self, path: Path):
+        self.dir = Path(path)
+        try:
+            self.files = {"model": tensor_files(self.dir, "model")}
+            opt = self.dir / "optimizer.safetensors"
+            opt_idx = self.dir / "optimizer.safetensors.index.json"
+            self.files["optimizer"] = (
+                tensor_files(self.dir, "optimizer") if opt.is_file() or opt_idx.is_file() else {}
+            )
+            self.headers = {
+                f: read_header(self.dir / f)
+                for files in self.files.values()
+                for f in set(files.values())
+            }
+        except TensorFileError as e:
+            raise CheckpointError(f"checkpoint {self.dir} is unusable: {e}") from e
+
+    def names(self) -> list[str]:
+        return list(self.files["model"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.headers[self.files["model"][name]][name]["shape"])
+
+    def has_moments(self, name: str) -> bool:
+        return f"{name}::{MOMENTS[0]}" in self.files["optimizer"]
+
+    def _get(self, stem: str, key: str) -> torch.Tensor:
+        f = self.files[stem].get(key)
+        if f is None:
+            raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
+        path = self.dir / f
+        info = self.headers[f][key]
+        a, b = info["data_offsets"]
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            fh.seek(8 + n + a)
+            buf = bytearray(fh.read(b - a))
+        if len(buf) != b - a:
+            raise CheckpointError(f"{path} is truncated (tensor {key})")
+        dtype = _ST_DTYPES[info["dtype"]]
+        t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        return t.reshape(info["shape"])
+
+    def read(self, name: str, moment: str | None = None) -> torch.Tensor:
+        if moment is None:
+            return self._get("model", name)
+        return self._get("optimizer", f"{name}::{moment}")
+
+    def rng(self) -> torch.Tensor | None:
+        return self._get("optimizer", RNG_KEY) if RNG_KEY in self.files["optimizer"] else None
+
+
+def convert(old: Path, new: Path) -> Path:
+    """Rewrite a consolidated checkpoint in the sharded format, one tensor in memory at a time."""
+    old, new = Path(old), Path(new)
+    src = LegacyReader(old)
+    if new.exists() and any(new.iterdir()):
+        raise CheckpointError(f"{new} exists and is not empty")
+    tensors = {n: (src.shape(n), lambda n=n: src.read(n).float()) for n in src.names()}
+    moments = {
+        n: (lambda m, n=n: src.read(n, m).float()) for n in src.names() if src.has_moments(n)
+    }
+    kinds = {n: "buffer" for n in src.names() if n.endswith("e_score_correction_bias")}
+    write_full_tensors(new, tensors, moments, kinds)
+    state = json.loads((old / "state.json").read_text())
+    (new / "state.json").write_text(json.dumps(state, indent=1))
+    for f in ("config.yaml", "tokenizer.json"):
+        if (old / f).is_file():
+            shutil.copy(old / f, new / f)
+    return new

@@ -1,0 +1,276 @@
+"""Save and restore a training run with its engine, in the sharded format (llmtrain.checkpoint).
+
+Each rank contributes what it holds, as 1-D pieces of each flattened full tensor: its ZeRO
+fragment of the fp32 weights and both Adam moments (expert pieces shifted by the rank's first
+expert), the router biases (identical on every rank, written once), and its RNG state. Nothing
+is gathered; resume at any world size, ZeRO stage or ep_size reads only overlapping pieces.
+
+Crash safety: rank 0 picks the checkpoint to resume from and broadcasts it; a checkpoint is
+written under `step_N.tmp` (stale ones from a killed save are removed at the next save), its
+files, the directory and its parent are fsynced, then it is renamed and `latest` replaced and
+fsynced. A save killed at any point never becomes `latest`.
+`LLMTRAIN_FAULT_KILL_IN_SAVE=POINT[@STEP]` SIGKILLs the process at POINT (start, write, files,
+rename, latest, prune) of a save, for tests.
+
+Layout:  RUN/checkpoints/step_00000100/{.metadata, __R_0.distcp, tensors.json, state.json,
+         config.yaml, tokenizer.json}  and  RUN/checkpoints/latest
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint import format as fmt
+from llmtrain.checkpoint.format import MOMENTS, CheckpointError, Piece
+from llmtrain.checkpoint.legacy import LegacyReader
+from llmtrain.parallel import comm
+
+logger = logging.getLogger(__name__)
+
+FAULT_POINTS = ("start", "write", "files", "rename", "latest", "prune")
+
+
+def _fault(point: str, step: int) -> None:
+    raw = os.environ.get("LLMTRAIN_FAULT_KILL_IN_SAVE", "")
+    for spec in filter(None, (s.strip() for s in raw.split(","))):
+        name, _, at = spec.partition("@")
+        if name == point and (not at or int(at) == step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _is_bias(name: str) -> bool:
+    return name.endswith("e_score_correction_bias")
+
+
+class Checkpointer:
+    """Owns save and restore of one run: the model's pieces, the engine's optimizer fragments,
+    RNG and run state. All ranks call every method."""
+
+    def __init__(self, run_dir: Path, model, rank: int, keep_last: int):
+        self.run_dir = Path(run_dir)
+        self.ckdir = self.run_dir / "checkpoints"
+        self.model, self.rank, self.keep_last = model, rank, keep_last
+        self.engine = None
+
+    # ------------------------------------------------------------ which checkpoint
+
+    def resolve(self, resume: str) -> Path | None:
+        """Rank 0 resolves `resume` (auto: `latest`) and broadcasts it, so every rank loads the
+        same checkpoint even where ranks could see different file states."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                if resume == "auto":
+                    found = fmt.latest_checkpoint(self.run_dir)
+                elif resume != "never":
+                    found = fmt.resolve_checkpoint(resume)
+                found = str(found) if found is not None else None
+            except CheckpointError as e:
+                found = e
+        found = comm.broadcast_object(found)
+        if isinstance(found, Exception):
+            raise CheckpointError(str(found))
+        return Path(found) if found is not None else None
+
+    @staticmethod
+    def read_state(ck: Path) -> dict:
+        return json.loads((ck / "state.json").read_text())
+
+    # ------------------------------------------------------------ placement
+
+    def _params(self):
+        """(name, parameter, full shape, element offset of the local part in the full tensor)."""
+        from llmtrain.model.moe import Experts
+
+        for name, p in self.model.named_parameters():
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            mod = self.model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.model
+            if isinstance(mod, Experts):  # stacked routed experts: this rank's rows of [E, ...]
+                row = math.prod(shape[1:])
+                yield name, p, (mod.total, *shape[1:]), mod.offset * row
+            else:
+                yield name, p, shape, 0
+
+    def _buffers(self):
+        return [(n, b) for n, b in self.model.named_buffers() if _is_bias(n)]
+
+    def _pieces(self) -> tuple[list[Piece], dict[str, dict]]:
+        pieces, index = [], {}
+        for name, p, full, off in self._params():
+            n_full = math.prod(full)
+            index[name] = {"shape": list(full), "kind": "param", "moments": True}
+            frag = self.engine.local_fragment(p)
+            if frag is None:
+                continue
+            start, views = frag
+            k = views["fp32"].numel()
+            pieces.append(Piece(fmt.model_key(name), n_full, off + start, k, tensor=views["fp32"]))
+            for m in MOMENTS:
+                pieces.append(
+                    Piece(fmt.moment_key(m, name), n_full, off + start, k, tensor=views[m])
+                )
+        for name, b in self._buffers():
+            index[name] = {"shape": list(b.shape), "kind": "buffer", "moments": False}
+            pieces.append(Piece(fmt.model_key(name), b.numel(), 0, b.numel(), tensor=b.view(-1)))
+        return pieces, index
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict, config_yaml: str, tokenizer_file: Path | None) -> Path:
+        final = self.ckdir / f"step_{step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            self.ckdir.mkdir(parents=True, exist_ok=True)
+            for stale in self.ckdir.glob("step_*.tmp"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+            fmt.fsync_dir(self.ckdir)
+        comm.barrier()
+        _fault("start", step)
+        self.engine.prepare_optimizer_state()
+        pieces, index = self._pieces()
+
+        def on_write(i: int, n: int) -> None:
+            if i == n // 2 + 1:
+                _fault("write", step)
+
+        fmt.save_pieces(tmp, pieces, {f"rng/{self.rank}": _rng_bytes()}, on_write)
+        state = {
+            **state,
+            "optimizer_step": self.engine.optimizer_step_count(),
+            "format": fmt.FORMAT,
+        }
+        if self.rank == 0:
+            fmt.write_index(tmp, index)
+            fmt.write_file(tmp / "config.yaml", config_yaml)
+            if tokenizer_file is not None and Path(tokenizer_file).is_file():
+                fmt.write_file(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
+            _fault("files", step)
+            fmt.write_file(tmp / "state.json", json.dumps(state, indent=1))
+            fmt.fsync_dir(tmp)
+        comm.barrier()  # every rank's files are on disk before the checkpoint becomes visible
+        if self.rank == 0:
+            _fault("rename", step)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fmt.fsync_dir(self.ckdir)
+            _fault("latest", step)
+            fmt.write_file(self.ckdir / "latest.tmp", final.name)
+            os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
+            fmt.fsync_dir(self.ckdir)
+            fmt.fsync_dir(self.run_dir)
+            _fault("prune", step)
+            done = sorted(p for p in self.ckdir.glob("step_*") if not p.name.endswith(".tmp"))
+            for old in done[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        comm.barrier()
+        return final
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, ck: Path) -> dict:
+        """Write the checkpoint's weights, Adam moments, router biases and RNG into the engine and
+        model (after `Engine(...)`); returns the run state."""
+        state = self.read_state(ck)
+        self.engine.prepare_optimizer_state(int(state.get("optimizer_step", state["step"])))
+        if fmt.is_sharded(ck):
+            self._restore_sharded(ck)
+        elif fmt.is_legacy(ck):
+            self._restore_legacy(ck)
+        else:
+            raise CheckpointError(f"checkpoint {ck} holds no weights")
+        self.engine.refresh_low_precision()
+        return state
+
+    def _restore_sharded(self, ck: Path) -> None:
+        index = json.loads((ck / fmt.INDEX_FILE).read_text())["tensors"]
+        pieces, want = self._pieces()
+        missing = [n for n in want if n not in index]
+        if missing:
+            raise CheckpointError(f"checkpoint {ck} lacks {missing[:5]}; written for another "
+                                  "model config?")  # fmt: skip
+        for name, info in want.items():
+            if list(index[name]["shape"]) != info["shape"]:
+                raise CheckpointError(f"{name}: checkpoint shape {index[name]['shape']} != model "
+                                      f"{info['shape']}; it comes from another model config")  # fmt: skip
+        key = f"rng/{self.rank}"
+        blobs = fmt.load_pieces(ck, pieces, [key])
+        if key in blobs:
+            _set_rng(blobs[key])
+
+    def _restore_legacy(self, ck: Path) -> None:
+        """Every rank reads each full tensor once, in turn, and keeps its piece."""
+        src = LegacyReader(ck)
+        have = set(src.names())
+        with torch.no_grad():
+            for name, p, full, off in self._params():
+                if name not in have:
+                    raise CheckpointError(f"checkpoint {ck} lacks {name}")
+                frag = self.engine.local_fragment(p)
+                if frag is None:
+                    continue
+                start, views = frag
+                n = views["fp32"].numel()
+                for key in ("fp32", *MOMENTS):
+                    t = src.read(name, None if key == "fp32" else key)
+                    if tuple(t.shape) != tuple(full):
+                        raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)} != "
+                                              f"model {tuple(full)}")  # fmt: skip
+                    views[key].copy_(t.reshape(-1)[off + start : off + start + n])
+            for name, b in self._buffers():
+                if name in have:
+                    b.copy_(src.read(name))
+        rng = src.rng()
+        if rng is not None:
+            torch.set_rng_state(rng)
+
+
+def _rng_bytes() -> bytes:
+    buf = io.BytesIO()
+    st = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    torch.save(st, buf)
+    return buf.getvalue()
+
+
+def _set_rng(blob: bytes) -> None:
+    st = torch.load(io.BytesIO(blob), weights_only=True)
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def copy_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
+    """Before the engine exists: copy full weights (e.g. `train.init_from`'s) into the module,
+    each rank keeping its own experts."""
+    from llmtrain.model.moe import Experts
+
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in weights]
+    if missing:
+        raise CheckpointError(f"the weights lack {missing[:5]}; written for another model config?")
+    with torch.no_grad():
+        for name, p in params.items():
+            v = weights[name]
+            mod = model.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(mod, Experts):
+                v = v[mod.offset : mod.offset + p.shape[0]]
+            if v.shape != p.shape:
+                raise CheckpointError(f"{name}: shape {tuple(v.shape)} != model {tuple(p.shape)}; "
+                                      "the weights come from another model config")  # fmt: skip
+            p.copy_(v)
+        for name, b in model.named_buffers():
+            if name in weights:
+                b.copy_(weights[name])
