@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from llmtrain.parallel.engine import is_expert_param
 from llmtrain.tensor_io import ShardWriter, TensorFileError, load_all
+from llmtrain.train import faults, health
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SHARD_BYTES = 2 * 2**30  # model weights are written in files of at most this size
@@ -88,9 +89,15 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writers = {stem: ShardWriter(tmp, SHARD_BYTES, stem) for stem in ("model", "optimizer")}
-    for stem, name, t in _full_tensors(engine, model):
+    guard = health.FiniteGuard()  # a checkpoint holding NaN/inf never becomes `latest`
+    for stem, name, t in guard.wrap(_full_tensors(engine, model)):
         if rank == 0:
             writers[stem].add(name, t)
+            faults.maybe_disk_full(step, tmp)
+    if not guard.agree():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise guard.error(step, ckdir)
     if rank == 0:
         for w in writers.values():
             w.finish()

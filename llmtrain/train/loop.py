@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -27,20 +26,16 @@ from llmtrain.data.prepare import prepare_data
 from llmtrain.model import build_model, generate
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import checkpoint as ckpt
+from llmtrain.train import faults, health
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
+from llmtrain.train.signals import StopOnSignal
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
     """The run stopped for a reason the user can act on (the message says which)."""
-
-
-def _fault_steps() -> set[int]:
-    """Steps whose loss is forced non-finite, for testing the skip/stop path."""
-    raw = os.environ.get("LLMTRAIN_FAULT_NAN_STEPS", "")
-    return {int(s) for s in raw.split(",") if s.strip()}
 
 
 def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int) -> None:
@@ -83,12 +78,24 @@ def _check_init_from(hf_model, ours, path) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bool = False) -> dict:
     """Run (or continue) training; returns the final metrics. All ranks call it."""
-    from llmtrain.parallel.engine import Engine, device_for, init_distributed, make_dispatcher
+    from llmtrain.parallel import ops
+    from llmtrain.parallel.engine import (
+        Engine,
+        deepspeed_config,
+        device_for,
+        init_distributed,
+        make_dispatcher,
+    )
 
     run_dir = Path(run_dir)
     # the layout is checked before any process group exists
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     layout = make_layout(cfg, world_env)
+    health.check_overflow_guard(deepspeed_config(cfg, layout))
+    try:  # a lock left by a killed JIT build would make init_distributed wait forever
+        ops.check_jit_locks()
+    except ops.StaleLockError as e:
+        raise TrainingError(str(e)) from None
     if resume not in ("never", "auto") and not Path(resume).is_dir():
         raise TrainingError(f"resume={resume!r}: use auto, never, or a checkpoint directory")
     rank, world, local_rank = init_distributed(cfg.parallel.backend)
@@ -96,15 +103,17 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     try:
         _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite, rank)
         dist.barrier()
-        return _train(
-            cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher
-        )
+        with StopOnSignal() as stop:
+            return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
+                          make_dispatcher, stop)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher):
+def _train(
+    cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher, stop
+):
     t = cfg.train
     if rank == 0:
         logger.info("layout: %s", layout.describe())
@@ -139,12 +148,15 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     # ---------------------------------------------------------------- model + engine
     dispatcher = make_dispatcher(layout)
     if t.init_from and ck_dir is None:
-        from llmtrain.hf import model_config_from_hf, read_safetensors_dir, state_dict_from_hf
+        from llmtrain.hf import model_config_from_hf
+        from llmtrain.train.warmstart import hf_weights_for
 
         hf_cfg = model_config_from_hf(json.loads((Path(t.init_from) / "config.json").read_text()))
         _check_init_from(hf_cfg, cfg.model, t.init_from)
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
-        sd = state_dict_from_hf(read_safetensors_dir(Path(t.init_from)), hf_cfg)
+        sd = hf_weights_for(
+            model, cfg.model, Path(t.init_from), hf_cfg, rank
+        )  # MTP: fresh if absent
         ckpt.load_weights_into(model, sd)
     else:
         model = build_model(cfg.model, device=device, seed=t.seed, dispatcher=dispatcher)
@@ -167,7 +179,8 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
 
-    faults = _fault_steps()
+    nan_steps = faults.nan_loss_steps()
+    grad_fault = faults.GradFault(model, rank)
     nonfinite_in_row = int(ck_state.get("nonfinite_in_row", 0))
     skipped_total = int(ck_state.get("skipped_steps", 0))
     eos = train_ds.eos_id
@@ -175,9 +188,33 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     engine.train()
     step = start_step
     last_saved = start_step if ck_dir is not None else -1
+
+    def save(done: int, record: dict) -> None:
+        state = {
+            "step": done,
+            "consumed_samples": done * layout.global_batch,
+            "skipped_steps": skipped_total,
+            "nonfinite_in_row": 0,
+            "world_size": world,
+            "ep_size": layout.ep_size,
+            "zero_stage": layout.zero_stage,
+            "tokens_seen": done * layout.tokens_per_step,
+            "flops": done * layout.tokens_per_step * counts.flops_per_token,
+            "loss": record["loss"],
+            "val_loss": record.get("val_loss"),
+        }
+        try:
+            health.guarded_save(lambda: ckpt.save_checkpoint(
+                run_dir, done, engine, model, state, config_yaml, tokenizer_file, t.keep_last, rank
+            ), run_dir, done)  # fmt: skip
+        except health.SaveError as e:
+            raise TrainingError(str(e)) from e
+
+    stop.arm()  # from here a signal stops the run at the next step boundary, with a checkpoint
     for step in range(start_step, t.max_steps):
         t0 = time.perf_counter()
         lr = lr_at(t, step)
+        grad_fault.arm(step)
         micro = batches_for_step(
             train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
         )
@@ -191,19 +228,19 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             out = engine(
                 x, labels=y, attention_mask=mask, check_inputs=False
             )  # ids checked once: tokenizer fits
-            loss = out.loss * float("nan") if step in faults else out.loss
+            loss = out.loss * float("nan") if step in nan_steps else out.loss
             # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
             # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
             engine.backward(loss)
             engine.step()
             lm_sum += out.lm_loss.detach().double().cpu() * (
-                float("nan") if step in faults else 1.0
+                float("nan") if step in nan_steps else 1.0
             )
             aux_sum += out.aux_loss.detach().double().cpu()
         stats = torch.stack([lm_sum, aux_sum]).to(device)
         dist.all_reduce(stats)
         gnorm = engine.grad_norm()
-        bad = not (math.isfinite(float(stats[0])) and math.isfinite(gnorm))
+        bad = not health.step_ok(float(stats[0]), gnorm)
         # aux-loss-free balancing on the global expert load: every rank applies the same update
         loads = model.expert_loads().to(device).float()
         if loads.numel():
@@ -252,23 +289,13 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
         final = record
         if (done % t.save_every == 0 or done == t.max_steps) and nonfinite_in_row == 0:
-            state = {
-                "step": done,
-                "consumed_samples": done * layout.global_batch,
-                "skipped_steps": skipped_total,
-                "nonfinite_in_row": 0,
-                "world_size": world,
-                "ep_size": layout.ep_size,
-                "zero_stage": layout.zero_stage,
-                "tokens_seen": done * layout.tokens_per_step,
-                "flops": done * layout.tokens_per_step * counts.flops_per_token,
-                "loss": record["loss"],
-                "val_loss": record.get("val_loss"),
-            }
-            ckpt.save_checkpoint(
-                run_dir, done, engine, model, state, config_yaml, tokenizer_file, t.keep_last, rank
-            )
+            save(done, record)
             last_saved = done
+        signum = stop.agreed()  # collective: every rank stops at the same step
+        if signum is not None and done < t.max_steps:
+            metrics.close()
+            raise TrainingError(_stopped_message(stop.name(signum), done, last_saved, save,
+                                                 record, nonfinite_in_row, run_dir))  # fmt: skip
     metrics.close()
     if t.sample_tokens and t.max_steps > start_step:
         final["sample"] = _sample(
@@ -288,26 +315,41 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     return final
 
 
+def _stopped_message(sig, done, last_saved, save, record, nonfinite_in_row, run_dir) -> str:
+    """Save at the boundary where the ranks agreed to stop (unless just saved), one line."""
+    if last_saved != done and nonfinite_in_row == 0:
+        save(done, record)
+        last_saved = done
+    if last_saved == done:
+        where = f"checkpoint {run_dir / 'checkpoints' / f'step_{done:08d}'} saved"
+    else:
+        where = "no checkpoint saved (the last step was non-finite)"
+    return f"stopped by {sig} after step {done}: {where}; continue with resume=auto"
+
+
 @torch.no_grad()
 def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) -> float:
     """Mean validation loss over the first `n_batches` global batches of the validation split:
-    the same sequences at every step and every world size."""
+    the same sequences at every step and at any world size. Ranks take consecutive shares of
+    ceil(n / world) sequences; the last shares are short (or empty), and a rank with nothing
+    left in a round runs a weight-0 forward so every rank joins the same collectives."""
+    from llmtrain.parallel import comm
+
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     n = min(ds.n_seq, n_batches * layout.global_batch)
-    per = max(1, n // world)
-    mine = [min(i, ds.n_seq - 1) for i in range(rank * per, (rank + 1) * per)]
-    valid = (rank + 1) * per <= ds.n_seq
+    per = -(-n // world)
+    mine = list(range(rank * per, min((rank + 1) * per, n)))
     for i in range(0, per, layout.micro_batch):
         idx = mine[i : i + layout.micro_batch]
-        x, y = ds.batch(idx)
+        x, y = ds.batch(idx or [0])
         x, y = x.to(device), y.to(device)
         out = engine(x, labels=y, attention_mask=document_mask(x, eos) if doc_mask else None)
-        if valid:  # every rank runs the same forwards (collectives), only whole shares count
+        if idx:  # every label is a real token: the batch mean times its rows is the batch sum
             total += torch.tensor(
                 [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
             )
-    dist.all_reduce(total)
+    comm.all_reduce(total)
     engine.train(True)
     return float(total[0] / total[1])
 

@@ -1,0 +1,126 @@
+"""Is a step good, and is what we are about to save sound? Non-finite detection and save guards.
+
+Why a module of its own: the rules are few but easy to get subtly wrong, and both the step loop
+and the checkpoint writer need them.
+
+- A step is bad when its loss or its gradient norm is non-finite, *or negative*: DeepSpeed's
+  ZeRO-1/2 group-norm helpers report an invalid (inf/NaN) norm as the sentinel -1, and a `None`
+  norm means it was not computed, so neither may count as a good step.
+- DeepSpeed skips the update of a bad step only while its overflow check is on; bf16 lets users
+  turn it off (`bf16.check_grad_overflow=false`), after which ZeRO-1/2 apply NaN gradients and
+  every weight turns NaN. That override is refused before the engine is built.
+- A checkpoint whose tensors hold non-finite values never becomes `latest`: the writer streams
+  every tensor through `FiniteGuard`, and the ranks agree on the verdict before the rename.
+- A save that fails with an OS error (a full disk, a quota, a vanished mount) leaves the previous
+  checkpoint and `latest` as they were, removes its partial `.tmp` directory and stops the run
+  with one line that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SaveError(RuntimeError):
+    """A checkpoint was not saved; the message says why and what is kept."""
+
+
+class NonFiniteCheckpointError(SaveError):
+    """The state about to be saved holds NaN or inf values; nothing was saved."""
+
+
+class SaveFailedError(SaveError):
+    """The filesystem refused a checkpoint write; the previous checkpoint is untouched."""
+
+
+def grad_norm_ok(norm: float | None) -> bool:
+    """DeepSpeed's norm of a step whose update was applied: finite and not its -1 sentinel."""
+    return norm is not None and math.isfinite(norm) and norm >= 0
+
+
+def step_ok(loss: float, grad_norm: float | None) -> bool:
+    """A step counts as good only with a finite loss and a valid gradient norm."""
+    return math.isfinite(loss) and grad_norm_ok(grad_norm)
+
+
+def check_overflow_guard(ds_config: dict[str, Any]) -> None:
+    """Refuse DeepSpeed settings under which a non-finite gradient would be applied."""
+    from llmtrain.config import ConfigError
+
+    bf16 = ds_config.get("bf16") or {}
+    if bf16.get("enabled") and bf16.get("check_grad_overflow", True) is False:
+        raise ConfigError(
+            "train.deepspeed.bf16.check_grad_overflow=false makes ZeRO apply non-finite "
+            "gradients (every weight turns NaN); remove it so a bad step is skipped"
+        )
+
+
+class FiniteGuard:
+    """Passes (stem, name, tensor) items through, remembering the first non-finite tensor."""
+
+    def __init__(self) -> None:
+        self.first_bad: str | None = None
+
+    def wrap(self, items: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator:
+        for stem, name, t in items:
+            if self.first_bad is None and t.is_floating_point() and not torch.isfinite(t).all():
+                self.first_bad = name
+            yield stem, name, t
+
+    def agree(self) -> bool:
+        """Collective when a process group exists: True when every rank saw only finite values."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([0.0 if self.first_bad is None else 1.0])
+        if dist.is_initialized():
+            from llmtrain.parallel import comm
+
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag) == 0.0
+
+    def error(self, step: int, ckdir: Path) -> NonFiniteCheckpointError:
+        where = f" ({self.first_bad})" if self.first_bad else " (on another rank)"
+        return NonFiniteCheckpointError(
+            f"step {step}: the state to save holds non-finite values{where}; nothing was saved "
+            f"and {ckdir / 'latest'} still names the last good checkpoint. Lower train.lr or "
+            "check the data, then resume=auto"
+        )
+
+
+def remove_partial(ckdir: Path, step: int) -> None:
+    """Remove the unfinished `.tmp` outputs of the save of `step` (any format's)."""
+    for p in ckdir.glob(f"step_{step:08d}*.tmp"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    (ckdir / "latest.tmp").unlink(missing_ok=True)
+
+
+def guarded_save(save: Callable[[], T], run_dir: Path, step: int) -> T:
+    """Run a checkpoint save; on an OS error (ENOSPC, EDQUOT, EIO ...) clean up and say what is
+    kept. `latest` is replaced only after a complete checkpoint is renamed into place, so an
+    error before that leaves the previous checkpoint and `latest` untouched."""
+    ckdir = run_dir / "checkpoints"
+    try:
+        return save()
+    except OSError as e:
+        remove_partial(ckdir, step)
+        ptr = ckdir / "latest"
+        kept = ptr.read_text().strip() if ptr.is_file() else None
+        what = (
+            f"the previous checkpoint {kept} (latest) is kept" if kept else "no checkpoint is kept"
+        )
+        reason = e.strerror or str(e)
+        raise SaveFailedError(
+            f"saving the checkpoint of step {step} failed: {reason} ({e.filename or ckdir}); "
+            f"{what} and the partial files were removed. Free space in {ckdir}, then resume=auto"
+        ) from e
