@@ -208,6 +208,7 @@ def _train(
                 run_dir, done, engine, model, state, config_yaml, tokenizer_file, t.keep_last, rank
             ), run_dir, done)  # fmt: skip
         except health.SaveError as e:
+            metrics.close()  # the progress bar ends before the one-line error
             raise TrainingError(str(e)) from e
 
     stop.arm()  # from here a signal stops the run at the next step boundary, with a checkpoint
