@@ -84,40 +84,42 @@ def save_checkpoint(
     ckdir = run_dir / "checkpoints"
     final = ckdir / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
+    # NaN/inf state or a failed write (a full disk): nothing becomes `latest`, every rank stops
+    guard = health.SaveGuard(step, ckdir)
     writers = {}
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        writers = {stem: ShardWriter(tmp, SHARD_BYTES, stem) for stem in ("model", "optimizer")}
-    guard = health.FiniteGuard()  # a checkpoint holding NaN/inf never becomes `latest`
-    for stem, name, t in guard.wrap(_full_tensors(engine, model)):
-        if rank == 0:
-            writers[stem].add(name, t)
-            faults.maybe_disk_full(step, tmp)
-    if not guard.agree():
-        if rank == 0:
+        with guard.attempt():
             shutil.rmtree(tmp, ignore_errors=True)
-        raise guard.error(step, ckdir)
+            tmp.mkdir(parents=True)
+            writers = {stem: ShardWriter(tmp, SHARD_BYTES, stem) for stem in ("model", "optimizer")}
+    for stem, name, t in guard.wrap(_full_tensors(engine, model)):
+        if rank == 0 and guard.ok:
+            with guard.attempt():
+                writers[stem].add(name, t)
+                faults.maybe_disk_full(step, tmp)
+    guard.agree()  # collective: before anything is renamed into place
     if rank == 0:
-        for w in writers.values():
-            w.finish()
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        if tokenizer_file is not None and tokenizer_file.is_file():
-            shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        latest_tmp = ckdir / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, ckdir / "latest")
-        done = sorted(p for p in ckdir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+        with guard.attempt():
+            for w in writers.values():
+                w.finish()
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+            if tokenizer_file is not None and tokenizer_file.is_file():
+                shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            latest_tmp = ckdir / "latest.tmp"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, ckdir / "latest")
+            done = sorted(
+                p for p in ckdir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+            )
+            for old in done[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    guard.agree()  # collective, in place of a barrier: a late write error stops every rank
     return final
 
 

@@ -18,8 +18,11 @@ and the checkpoint writer need them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,11 +69,23 @@ def check_overflow_guard(ds_config: dict[str, Any]) -> None:
         )
 
 
-class FiniteGuard:
-    """Passes (stem, name, tensor) items through, remembering the first non-finite tensor."""
+class SaveGuard:
+    """One save's verdict, agreed by all ranks before anything is renamed into place.
 
-    def __init__(self) -> None:
+    It passes the (stem, name, tensor) stream through, remembering the first non-finite tensor,
+    and records the first OS error of the writing rank(s) (`with guard.attempt(): ...`) instead
+    of raising mid-stream: a rank that stopped early would leave the others waiting in the
+    save's collectives. `agree()` is collective; on a failure every rank removes the partial
+    files (rank 0) and raises the same one-line error."""
+
+    def __init__(self, step: int, ckdir: Path):
+        self.step, self.ckdir = step, ckdir
         self.first_bad: str | None = None
+        self.error: OSError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_bad is None and self.error is None
 
     def wrap(self, items: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator:
         for stem, name, t in items:
@@ -78,24 +93,52 @@ class FiniteGuard:
                 self.first_bad = name
             yield stem, name, t
 
-    def agree(self) -> bool:
-        """Collective when a process group exists: True when every rank saw only finite values."""
+    @contextlib.contextmanager
+    def attempt(self):
+        try:
+            yield
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+
+    def agree(self) -> None:
+        """Collective: return when every rank is fine, else clean up and raise on all ranks."""
         import torch.distributed as dist
 
-        flag = torch.tensor([0.0 if self.first_bad is None else 1.0])
+        err = (self.error.errno or errno.EIO) if self.error is not None else 0
+        flags = torch.tensor([0.0 if self.first_bad is None else 1.0, float(err)])
+        rank = 0
         if dist.is_initialized():
             from llmtrain.parallel import comm
 
-            comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return float(flag) == 0.0
-
-    def error(self, step: int, ckdir: Path) -> NonFiniteCheckpointError:
+            comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+            rank = dist.get_rank()
+        bad, err = bool(flags[0]), int(flags[1])
+        if not bad and not err:
+            return
+        if rank == 0:
+            remove_partial(self.ckdir, self.step)
+        if err:
+            e = self.error
+            reason = (e.strerror or str(e)) if e is not None else os.strerror(err)
+            where = (e.filename if e is not None else None) or self.ckdir
+            raise SaveFailedError(_save_failed(self.step, self.ckdir, reason, where))
         where = f" ({self.first_bad})" if self.first_bad else " (on another rank)"
-        return NonFiniteCheckpointError(
-            f"step {step}: the state to save holds non-finite values{where}; nothing was saved "
-            f"and {ckdir / 'latest'} still names the last good checkpoint. Lower train.lr or "
-            "check the data, then resume=auto"
+        raise NonFiniteCheckpointError(
+            f"step {self.step}: the state to save holds non-finite values{where}; nothing was "
+            f"saved and {self.ckdir / 'latest'} still names the last good checkpoint. Lower "
+            "train.lr or check the data, then resume=auto"
         )
+
+
+def _save_failed(step: int, ckdir: Path, reason: str, where) -> str:
+    ptr = ckdir / "latest"
+    kept = ptr.read_text().strip() if ptr.is_file() else None
+    what = f"the previous checkpoint {kept} (latest) is kept" if kept else "no checkpoint is kept"
+    return (
+        f"saving the checkpoint of step {step} failed: {reason} ({where}); {what} and the "
+        f"partial files were removed. Free space in {ckdir}, then resume=auto"
+    )
 
 
 def remove_partial(ckdir: Path, step: int) -> None:
@@ -106,21 +149,14 @@ def remove_partial(ckdir: Path, step: int) -> None:
 
 
 def guarded_save(save: Callable[[], T], run_dir: Path, step: int) -> T:
-    """Run a checkpoint save; on an OS error (ENOSPC, EDQUOT, EIO ...) clean up and say what is
-    kept. `latest` is replaced only after a complete checkpoint is renamed into place, so an
-    error before that leaves the previous checkpoint and `latest` untouched."""
+    """Run a checkpoint save; an OS error (ENOSPC, EDQUOT, EIO ...) that escapes it is cleaned up
+    and reported like SaveGuard's. `latest` is replaced only after a complete checkpoint is
+    renamed into place, so an error before that leaves the previous checkpoint and `latest`."""
     ckdir = run_dir / "checkpoints"
     try:
         return save()
     except OSError as e:
         remove_partial(ckdir, step)
-        ptr = ckdir / "latest"
-        kept = ptr.read_text().strip() if ptr.is_file() else None
-        what = (
-            f"the previous checkpoint {kept} (latest) is kept" if kept else "no checkpoint is kept"
-        )
-        reason = e.strerror or str(e)
         raise SaveFailedError(
-            f"saving the checkpoint of step {step} failed: {reason} ({e.filename or ckdir}); "
-            f"{what} and the partial files were removed. Free space in {ckdir}, then resume=auto"
+            _save_failed(step, ckdir, e.strerror or str(e), e.filename or ckdir)
         ) from e
