@@ -84,8 +84,9 @@ def holders(lock: Path) -> list[int]:
     return found
 
 
-def is_stale(lock: Path, recheck_s: float = RECHECK_S) -> bool:
+def is_stale(lock: Path, recheck_s: float | None = None) -> bool:
     """True when the lock exists and no process here holds it, twice `recheck_s` apart."""
+    recheck_s = RECHECK_S if recheck_s is None else recheck_s
     if not Path("/proc/self/fd").is_dir():  # no /proc: cannot tell, never call it stale
         return False
     for attempt in range(2):
@@ -96,7 +97,7 @@ def is_stale(lock: Path, recheck_s: float = RECHECK_S) -> bool:
     return lock.exists()
 
 
-def check_jit_locks(recheck_s: float = RECHECK_S) -> None:
+def check_jit_locks(recheck_s: float | None = None) -> None:
     """Raise StaleLockError naming the first stale DeepSpeed JIT lock (CPU runs only)."""
     import torch
 
