@@ -10,10 +10,11 @@ and the checkpoint writer need them.
   turn it off (`bf16.check_grad_overflow=false`), after which ZeRO-1/2 apply NaN gradients and
   every weight turns NaN. That override is refused before the engine is built.
 - A checkpoint whose tensors hold non-finite values never becomes `latest`: the writer streams
-  every tensor through `FiniteGuard`, and the ranks agree on the verdict before the rename.
+  every tensor through `SaveGuard`, and the ranks agree on the verdict before the rename.
 - A save that fails with an OS error (a full disk, a quota, a vanished mount) leaves the previous
-  checkpoint and `latest` as they were, removes its partial `.tmp` directory and stops the run
-  with one line that says so.
+  checkpoint and `latest` as they were, removes its partial `.tmp` directory and stops every
+  rank with one line that says so (the writing rank records the error and keeps joining the
+  save's collectives, so no rank is left waiting).
 """
 
 from __future__ import annotations
