@@ -19,4 +19,5 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # 2. the package and its tools, with torch held where it is.
 echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$venv/torch-pin.txt"
 "${pip[@]}" -c "$venv/torch-pin.txt" -e "$root[dev,train,eval]" "transformers==5.24.0"
+"$venv/bin/python" -m llmtrain.parallel.ops --build  # 3. DeepSpeed's CPU ops now, not mid-run
 echo "$want" > "$stamp"

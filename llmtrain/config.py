@@ -339,6 +339,14 @@ class Config:
         self.train.validate()
         self.parallel.validate()
         self.data.validate()
+        m = self.model
+        if m.scoring_func == "softmax" and m.bias_update_speed != 0:  # found at export, hours later
+            raise ConfigError(
+                f"model.scoring_func=softmax with model.bias_update_speed={m.bias_update_speed}: "
+                "the correction bias it learns has no place in DeepseekV2 (softmax gating), so the "
+                "run could not be exported; set model.bias_update_speed=0 or "
+                "model.scoring_func=sigmoid"
+            )
         if self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="

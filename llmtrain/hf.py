@@ -438,8 +438,17 @@ def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None) -> None:
     missing = [n for n in params if n not in sources]
     if cfg.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
+    # most releases ship no MTP layers (transformers saves none, though its config.json says
+    # num_nextn_predict_layers=1): the run's own MTP layers keep their fresh initialisation
+    fresh = sorted({int(n.split(".")[1]) for n in missing if n.startswith("mtp.")})
+    missing = [n for n in missing if not n.startswith("mtp.")]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing[:6]} for this model config")
+    if fresh:
+        logger.warning(
+            "%s holds no weights for MTP layer(s) %s of model.mtp_depth=%d: they start from a "
+            "fresh initialisation", path, ", ".join(map(str, fresh)), cfg.mtp_depth,
+        )  # fmt: skip
 
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}

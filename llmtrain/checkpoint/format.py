@@ -245,6 +245,9 @@ def _unwrapped(fn, path: Path, *args, **kwargs):
             return fn(*args, **kwargs)
     except CheckpointException as e:
         errs = [exc for exc, _ in e.failures.values()]
+        oserr = next((x for x in errs if isinstance(x, OSError)), None)
+        if oserr is not None:  # a full disk, a quota, a vanished mount: the caller says what to do
+            raise OSError(oserr.errno, oserr.strerror or str(oserr), oserr.filename) from None
         ours = next((x for x in errs if isinstance(x, CheckpointError)), None)
         if ours is not None:
             raise CheckpointError(str(ours)) from None

@@ -157,17 +157,42 @@ def hf_tensors(
                 yield pre + "shared_head.head.weight", head.to(dtype).clone()
 
 
+# special tokens looked up by name in the run's own tokenizer, first match wins (ours first)
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<｜begin▁of▁sentence｜>", "[CLS]")
+PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+
+
+def special_tokens(tok) -> dict[str, str | None]:
+    """eos / bos / pad taken from the tokenizer itself, never invented: a name the vocabulary
+    lacks would make transformers add a token with an id past the model's embedding table.
+    EOS is the one the data pipeline used; BOS falls back to it (GPT-style); PAD may be None."""
+    from llmtrain.data.tokenizer import EOS, eos_id
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+
+    def first(names):
+        return next((n for n in names if n in vocab), None)
+
+    try:
+        eos = tok.id_to_token(eos_id(tok))
+    except Exception:  # a tokenizer without an end-of-text token: export it without one
+        eos = EOS if EOS in vocab else None
+    return {"eos_token": eos, "bos_token": first(BOS_NAMES) or eos, "pad_token": first(PAD_NAMES)}
+
+
 def write_tokenizer(tok_file: Path | None, out: Path) -> dict:
     if tok_file is None:
         logger.warning("no tokenizer.json in the checkpoint: the export has none")
         return {}
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from llmtrain.data.tokenizer import EOS, PAD
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_file=str(tok_file), eos_token=EOS, bos_token=EOS, pad_token=PAD
-    )
+    raw = Tokenizer.from_file(str(tok_file))
+    n = raw.get_vocab_size(with_added_tokens=True)
+    specials = {k: v for k, v in special_tokens(raw).items() if v is not None}
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_file), **specials)
+    if len(tok) != n:  # never: every special token above was found in the vocabulary
+        raise ExportError(f"the tokenizer grew from {n} to {len(tok)} tokens on export")
     tok.save_pretrained(out)
     return {
         "eos_token_id": tok.eos_token_id,

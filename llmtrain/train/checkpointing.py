@@ -8,7 +8,9 @@ is gathered; resume at any world size, ZeRO stage or ep_size reads only overlapp
 Crash safety: rank 0 picks the checkpoint to resume from and broadcasts it; a checkpoint is
 written under `step_N.tmp` (stale ones from a killed save are removed at the next save), its
 files, the directory and its parent are fsynced, then it is renamed and `latest` replaced and
-fsynced. A save killed at any point never becomes `latest`.
+fsynced. A save killed at any point never becomes `latest`. A state holding NaN/inf is never
+saved, and a failed write (a full disk) stops every rank with the previous checkpoint and `latest`
+untouched (train/health.py: the ranks agree on the verdict before anything is renamed).
 `LLMTRAIN_FAULT_KILL_IN_SAVE=POINT[@STEP]` SIGKILLs the process at POINT (start, write, files,
 rename, latest, prune) of a save, for tests.
 
@@ -34,6 +36,7 @@ from llmtrain.checkpoint import format as fmt
 from llmtrain.checkpoint.format import MOMENTS, CheckpointError, Piece
 from llmtrain.checkpoint.legacy import LegacyReader
 from llmtrain.parallel import comm
+from llmtrain.train import faults, health
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,7 @@ class Checkpointer:
     def save(self, step: int, state: dict, config_yaml: str, tokenizer_file: Path | None) -> Path:
         final = self.ckdir / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        guard = health.SaveGuard(step, self.ckdir)
         if self.rank == 0:
             self.ckdir.mkdir(parents=True, exist_ok=True)
             for stale in self.ckdir.glob("step_*.tmp"):  # left by a save that was killed
@@ -139,10 +143,17 @@ class Checkpointer:
         _fault("start", step)
         self.engine.prepare_optimizer_state()
         pieces, index = self._pieces()
+        for pc in pieces:  # a non-finite state never becomes a checkpoint
+            t = pc.tensor
+            if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
+                guard.first_bad = pc.key
+                break
+        guard.agree()  # collective: every rank raises the same error
 
         def on_write(i: int, n: int) -> None:
             if i == n // 2 + 1:
                 _fault("write", step)
+                faults.maybe_disk_full(step, tmp)
 
         fmt.save_pieces(tmp, pieces, {f"rng/{self.rank}": _rng_bytes()}, on_write)
         state = {
@@ -151,30 +162,32 @@ class Checkpointer:
             "format": fmt.FORMAT,
         }
         if self.rank == 0:
-            fmt.write_index(tmp, index)
-            fmt.write_file(tmp / "config.yaml", config_yaml)
-            if tokenizer_file is not None and Path(tokenizer_file).is_file():
-                fmt.write_file(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
-            _fault("files", step)
-            fmt.write_file(tmp / "state.json", json.dumps(state, indent=1))
-            fmt.fsync_dir(tmp)
-        comm.barrier()  # every rank's files are on disk before the checkpoint becomes visible
+            with guard.attempt():
+                fmt.write_index(tmp, index)
+                fmt.write_file(tmp / "config.yaml", config_yaml)
+                if tokenizer_file is not None and Path(tokenizer_file).is_file():
+                    fmt.write_file(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
+                _fault("files", step)
+                fmt.write_file(tmp / "state.json", json.dumps(state, indent=1))
+                fmt.fsync_dir(tmp)
+        guard.agree()  # in place of a barrier: every rank's files are on disk, or all raise
         if self.rank == 0:
-            _fault("rename", step)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fmt.fsync_dir(self.ckdir)
-            _fault("latest", step)
-            fmt.write_file(self.ckdir / "latest.tmp", final.name)
-            os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
-            fmt.fsync_dir(self.ckdir)
-            fmt.fsync_dir(self.run_dir)
-            _fault("prune", step)
-            done = sorted(p for p in self.ckdir.glob("step_*") if not p.name.endswith(".tmp"))
-            for old in done[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        comm.barrier()
+            with guard.attempt():
+                _fault("rename", step)
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                fmt.fsync_dir(self.ckdir)
+                _fault("latest", step)
+                fmt.write_file(self.ckdir / "latest.tmp", final.name)
+                os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
+                fmt.fsync_dir(self.ckdir)
+                fmt.fsync_dir(self.run_dir)
+                _fault("prune", step)
+                done = sorted(p for p in self.ckdir.glob("step_*") if not p.name.endswith(".tmp"))
+                for old in done[: -self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        guard.agree()  # a late write error stops every rank, not only the writer
         return final
 
     # ------------------------------------------------------------ restore

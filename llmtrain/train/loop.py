@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -29,22 +28,18 @@ from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
+from llmtrain.train import faults, health
 from llmtrain.train.checkpointing import Checkpointer
 from llmtrain.train.evals import periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
+from llmtrain.train.signals import StopOnSignal
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingError(LlmtrainError, RuntimeError):
     """The run stopped for a reason the user can act on (the message says which)."""
-
-
-def _fault_steps() -> set[int]:
-    """Steps whose loss is forced non-finite, for testing the skip/stop path."""
-    raw = os.environ.get("LLMTRAIN_FAULT_NAN_STEPS", "")
-    return {int(s) for s in raw.split(",") if s.strip()}
 
 
 def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int) -> None:
@@ -87,12 +82,24 @@ def _check_init_from(hf_model, ours, path) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bool = False) -> dict:
     """Run (or continue) training; returns the final metrics. All ranks call it."""
-    from llmtrain.parallel.engine import Engine, device_for, init_distributed, make_dispatcher
+    from llmtrain.parallel import ops
+    from llmtrain.parallel.engine import (
+        Engine,
+        deepspeed_config,
+        device_for,
+        init_distributed,
+        make_dispatcher,
+    )
 
     run_dir = Path(run_dir)
     # the layout is checked before any process group exists
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     layout = make_layout(cfg, world_env)
+    health.check_overflow_guard(deepspeed_config(cfg, layout))
+    try:  # a lock left by a killed JIT build would make init_distributed wait forever
+        ops.check_jit_locks()
+    except ops.StaleLockError as e:
+        raise TrainingError(str(e)) from None
     if resume not in ("never", "auto") and not Path(resume).is_dir():
         raise TrainingError(f"resume={resume!r}: use auto, never, or a checkpoint directory")
     rank, world, local_rank = init_distributed(cfg.parallel.backend)
@@ -100,9 +107,9 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     try:
         _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite, rank)
         comm.barrier()
-        return _train(
-            cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher
-        )
+        with StopOnSignal() as stop:
+            return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
+                          make_dispatcher, stop)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -127,9 +134,12 @@ class _Run:
     start_step: int = 0
     nonfinite_in_row: int = 0
     skipped_total: int = 0
+    grad_fault: Any = None
 
 
-def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher):
+def _train(
+    cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine, make_dispatcher, stop
+):
     t = cfg.train
     if rank == 0:
         logger.info("layout: %s", layout.describe())
@@ -148,13 +158,15 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
 
-    faults = _fault_steps()
+    nan_steps = faults.nan_loss_steps()
+    run.grad_fault = faults.GradFault(run.model, rank)
     final: dict[str, Any] = {}
     run.engine.train()
     last_saved = run.start_step if ck_dir is not None else -1
+    stop.arm()  # from here a signal stops the run at the next step boundary, with a checkpoint
     for step in range(run.start_step, t.max_steps):
         t0 = time.perf_counter()
-        record, step_loads = _step(run, step, faults)
+        record, step_loads = _step(run, step, nan_steps)
         done = step + 1
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(
@@ -171,8 +183,15 @@ def _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine
             metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
         final = record
         if (done % t.save_every == 0 or done == t.max_steps) and run.nonfinite_in_row == 0:
-            _save(run, done, record, counts.flops_per_token, config_yaml)
+            _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
             last_saved = done
+        signum = stop.agreed()  # collective: every rank stops at the same step
+        if signum is not None and done < t.max_steps:
+            if last_saved != done and run.nonfinite_in_row == 0:
+                _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
+                last_saved = done
+            metrics.close()
+            raise TrainingError(_stopped_message(stop.name(signum), done, last_saved, run_dir))
     metrics.close()
     _finish(run, final, last_saved)
     return final
@@ -232,11 +251,12 @@ def _restore(run: _Run, ck_dir: Path | None) -> dict:
     return state
 
 
-def _step(run: _Run, step: int, faults: set[int]) -> tuple[dict, torch.Tensor | None]:
+def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor | None]:
     """One optimizer step over the global batch; returns the metrics record and expert loads."""
     cfg, t, layout, engine, model = run.cfg, run.cfg.train, run.layout, run.engine, run.model
     device, rank, world = run.device, run.rank, run.world
     lr = lr_at(t, step)
+    run.grad_fault.arm(step)
     micro = batches_for_step(
         run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
     )
@@ -250,17 +270,17 @@ def _step(run: _Run, step: int, faults: set[int]) -> tuple[dict, torch.Tensor | 
         out = engine(
             x, labels=y, attention_mask=mask, check_inputs=False
         )  # ids checked once: tokenizer fits
-        loss = out.loss * float("nan") if step in faults else out.loss
+        loss = out.loss * float("nan") if step in nan_steps else out.loss
         # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
         # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
         engine.backward(loss)
         engine.step()
-        lm_sum += out.lm_loss.detach().double().cpu() * (float("nan") if step in faults else 1.0)
+        lm_sum += out.lm_loss.detach().double().cpu() * (float("nan") if step in nan_steps else 1.0)
         aux_sum += out.aux_loss.detach().double().cpu()
     stats = torch.stack([lm_sum, aux_sum]).to(device)
     comm.all_reduce(stats)
     gnorm = engine.grad_norm()
-    bad = not (math.isfinite(float(stats[0])) and math.isfinite(gnorm))
+    bad = not health.step_ok(float(stats[0]), gnorm)  # also DeepSpeed's -1 / None norms
     # aux-loss-free balancing on the global expert load: every rank applies the same update
     loads = model.expert_loads().to(device).float()
     if loads.numel():
@@ -301,7 +321,8 @@ def _step(run: _Run, step: int, faults: set[int]) -> tuple[dict, torch.Tensor | 
     return record, step_loads
 
 
-def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yaml: str) -> None:
+def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yaml: str,
+          metrics) -> None:  # fmt: skip
     layout = run.layout
     state = {
         "step": done,
@@ -316,7 +337,23 @@ def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yam
         "loss": record["loss"],
         "val_loss": record.get("val_loss"),
     }
-    run.checkpointer.save(done, state, config_yaml, run.tokenizer_file)
+    try:
+        health.guarded_save(
+            lambda: run.checkpointer.save(done, state, config_yaml, run.tokenizer_file),
+            run.run_dir,
+            done,
+        )
+    except health.SaveError as e:
+        metrics.close()  # the progress bar ends before the one-line error
+        raise TrainingError(str(e)) from e
+
+
+def _stopped_message(sig: str, done: int, last_saved: int, run_dir: Path) -> str:
+    if last_saved == done:
+        where = f"checkpoint {run_dir / 'checkpoints' / f'step_{done:08d}'} saved"
+    else:
+        where = "no checkpoint saved (the last step was non-finite)"
+    return f"stopped by {sig} after step {done}: {where}; continue with resume=auto"
 
 
 def _finish(run: _Run, final: dict, last_saved: int) -> None:
@@ -342,21 +379,22 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
 @torch.no_grad()
 def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) -> float:
     """Mean validation loss over the first `n_batches` global batches of the validation split:
-    the same sequences at every step and every world size."""
+    the same sequences at every step and at any world size. Ranks take consecutive shares of
+    ceil(n / world) sequences; the last shares are short (or empty), and a rank with nothing
+    left in a round runs a weight-0 forward so every rank joins the same collectives."""
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     n = min(ds.n_seq, n_batches * layout.global_batch)
-    per = max(1, n // world)
-    mine = [min(i, ds.n_seq - 1) for i in range(rank * per, (rank + 1) * per)]
-    valid = (rank + 1) * per <= ds.n_seq
+    per = -(-n // world)
+    mine = list(range(rank * per, min((rank + 1) * per, n)))
     for i in range(0, per, layout.micro_batch):
         idx = mine[i : i + layout.micro_batch]
-        x, y = ds.batch(idx)
+        x, y = ds.batch(idx or [0])
         x, y = x.to(device), y.to(device)
         out = engine(
             x, labels=y, attention_mask=DocumentMask.from_eos(x, eos) if doc_mask else None
         )
-        if valid:  # every rank runs the same forwards (collectives), only whole shares count
+        if idx:  # every label is a real token: the batch mean times its rows is the batch sum
             total += torch.tensor(
                 [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
             )

@@ -1,0 +1,162 @@
+"""DeepSpeed's JIT-compiled CPU ops: build them at set-up, and never hang on a stale build lock.
+
+Why: DeepSpeed's wheel ships its C++ ops uncompiled. On CPU every new process JIT-builds (or
+loads) `deepspeed_shm_comm` inside `deepspeed.init_distributed` (and `cpu_adam` for optimizer
+offload) through torch's `cpp_extension.load`, which serialises builds with a `FileBaton`: it
+creates `<TORCH_EXTENSIONS_DIR>/<py>_cpu/<op>/lock` with O_EXCL and waits, polling without a
+timeout, until that file is gone. A process killed mid-build leaves the file behind and every
+later run waits forever without a word.
+
+Detection: the baton keeps the lock file open (`FileBaton.fd`) from creation until release, so
+a live builder on this machine shows up as an open descriptor in /proc/<pid>/fd. A lock that no
+readable process holds open, and that stays so over a short re-check, is stale. It is not removed
+automatically: the cache can be shared with another machine (a network home) whose builder this
+one cannot see, so the error names the file and says when deleting it is safe.
+
+`python -m llmtrain.parallel.ops --build` compiles the ops once (launch/setup.sh runs it), so
+runs and tests never build concurrently; `--check` only looks for stale locks.
+This module and engine.py are the only ones that import DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# op builder class -> torch extension name (the directory under TORCH_EXTENSIONS_DIR)
+CPU_OPS = {"ShareMemCommBuilder": "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam"}
+RECHECK_S = 2.0  # FileBaton.release closes the descriptor just before removing the file
+
+
+class StaleLockError(RuntimeError):
+    """A JIT build lock that no live process holds; the message names the file to delete."""
+
+
+def extensions_root() -> Path:
+    """torch's build root (the rule of torch.utils.cpp_extension._get_build_directory, which
+    also creates directories): TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<acc>."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env is not None:
+        return Path(env)
+    if torch.version.hip is not None:
+        acc = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        acc = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        acc = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{acc}"
+
+
+def lock_files(names: tuple[str, ...] = tuple(CPU_OPS.values())) -> list[Path]:
+    root = extensions_root()
+    return [root / n / "lock" for n in names if (root / n / "lock").exists()]
+
+
+def holders(lock: Path) -> list[int]:
+    """PIDs of processes on this machine that hold `lock` open (those /proc lets us read)."""
+    try:
+        st = lock.stat()
+    except FileNotFoundError:
+        return []
+    found = []
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                try:
+                    s = fd.stat()
+                except OSError:
+                    continue
+                if (s.st_ino, s.st_dev) == (st.st_ino, st.st_dev):
+                    found.append(int(pid_dir.name))
+                    break
+        except OSError:  # gone, or another user's process
+            continue
+    return found
+
+
+def is_stale(lock: Path, recheck_s: float | None = None) -> bool:
+    """True when the lock exists and no process here holds it, twice `recheck_s` apart."""
+    recheck_s = RECHECK_S if recheck_s is None else recheck_s
+    if not Path("/proc/self/fd").is_dir():  # no /proc: cannot tell, never call it stale
+        return False
+    for attempt in range(2):
+        if not lock.exists() or holders(lock):
+            return False
+        if attempt == 0:
+            time.sleep(recheck_s)
+    return lock.exists()
+
+
+def check_jit_locks(recheck_s: float | None = None) -> None:
+    """Raise StaleLockError naming the first stale DeepSpeed JIT lock (CPU runs only)."""
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu":
+        return  # CUDA runs do not JIT-build the CPU comm op at start-up
+    for lock in lock_files():
+        if is_stale(lock, recheck_s):
+            age = time.time() - lock.stat().st_mtime
+            raise StaleLockError(
+                f"stale DeepSpeed build lock {lock} (left {age:.0f} s ago by a killed build; no "
+                f"process here holds it): every run would wait on it forever. Delete it "
+                f"(rm {lock}) unless another machine sharing this cache is building right now"
+            )
+
+
+def build(names: list[str] | None = None) -> list[str]:
+    """Compile (or load, when cached) DeepSpeed's CPU ops; returns the ones ready. On a CUDA
+    machine (unless DS_ACCELERATOR=cpu) there is nothing to do: no CPU op is built at start-up."""
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu":
+        return []
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    check_jit_locks()
+    done = []
+    for cls, ext in CPU_OPS.items():
+        if names and ext not in names:
+            continue
+        builder = get_accelerator().create_op_builder(cls)
+        if builder is None or not builder.is_compatible(verbose=False):
+            logger.warning("DeepSpeed op %s is not available on this machine; skipped", ext)
+            continue
+        t0 = time.perf_counter()
+        builder.load(verbose=False)
+        logger.info("DeepSpeed op %s ready in %.1f s", ext, time.perf_counter() - t0)
+        done.append(ext)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmtrain.parallel.ops", description=__doc__)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--build", action="store_true", help="compile DeepSpeed's CPU ops now")
+    g.add_argument("--check", action="store_true", help="fail on a stale JIT build lock")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.build:
+            print("DeepSpeed CPU ops ready:", ", ".join(build()) or "none needed")
+        else:
+            check_jit_locks()
+            print("no stale DeepSpeed build lock")
+    except StaleLockError as e:
+        print(f"llmtrain ops: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

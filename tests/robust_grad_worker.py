@@ -1,0 +1,92 @@
+"""Run under the deepspeed launcher by tests/test_robust.py: a non-finite gradient (finite loss) at
+each ZeRO stage and dtype is skipped with weights and Adam moments unchanged, and a checkpoint of
+non-finite state is refused. Writes a JSON verdict (rank 0) to argv[1]."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+os.environ["LLMTRAIN_FAULT_GRAD_STEPS"] = "2"
+
+from llmtrain.config import load_config  # noqa: E402
+from llmtrain.model import build_model  # noqa: E402
+from llmtrain.parallel.engine import Engine, init_distributed  # noqa: E402
+from llmtrain.parallel.layout import make_layout  # noqa: E402
+from llmtrain.train import checkpoint as ckpt  # noqa: E402
+from llmtrain.train import faults, health  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snapshot(engine, model):
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = engine.full_param(p).clone()
+        for key in ckpt.MOMENTS:
+            out[f"{name}::{key}"] = engine.full_moment(p, key).clone()
+    return out
+
+
+def run(dtype: str, zero: int, rank: int, world: int, out_dir: Path) -> dict:
+    cfg = load_config(ROOT / "configs" / "debug.yaml",
+                      [f"train.dtype={dtype}", f"parallel.zero_stage={zero}", "train.seq_len=32"])  # fmt: skip
+    layout = make_layout(cfg, world)
+    model = build_model(cfg.model, seed=1)
+    engine = Engine(model, cfg, layout)
+    fault = faults.GradFault(model, rank)
+    gen = torch.Generator().manual_seed(100 + rank)
+    res = {"norms": [], "ok": []}
+    before = None
+    for step in range(4):
+        fault.arm(step)
+        if step == 2:
+            engine.relink_optimizer_state()
+            before = snapshot(engine, model)
+        x = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, 33), generator=gen)
+        for _ in range(layout.grad_accum):
+            out = engine(x[:, :-1], labels=x[:, 1:])
+            engine.backward(out.loss)
+            engine.step()
+        res["loss_finite_" + str(step)] = bool(torch.isfinite(out.loss).item())
+        norm = engine.grad_norm()
+        res["norms"].append(norm)
+        res["ok"].append(health.step_ok(float(out.loss.detach()), norm))
+        if step == 2:
+            engine.relink_optimizer_state()
+            after = snapshot(engine, model)
+            res["changed_by_bad_step"] = [k for k in before if not torch.equal(before[k], after[k])]
+    engine.relink_optimizer_state()
+    res["changed_after"] = sum(
+        not torch.equal(before[k], v) for k, v in snapshot(engine, model).items()
+    )
+    if zero == 2:  # poison one weight: the save must refuse and keep nothing
+        p = next(iter(model.parameters()))
+        engine.set_full(p, torch.full(p.shape, float("nan")), None)
+        run_dir = out_dir / f"run-{dtype}"
+        try:
+            ckpt.save_checkpoint(run_dir, 5, engine, model, {"step": 5}, "", None, 2, rank)
+            res["nonfinite_save"] = "saved"
+        except health.NonFiniteCheckpointError as e:
+            res["nonfinite_save"] = str(e)
+        torch.distributed.barrier()
+        res["ckpt_files"] = sorted(p.name for p in (run_dir / "checkpoints").glob("*"))
+    return res
+
+
+def main() -> None:
+    out = Path(sys.argv[-1])  # the launcher puts --local_rank=N first
+    rank, world, _ = init_distributed("gloo")
+    results = {}
+    for dtype in os.environ.get("LLMTRAIN_TEST_DTYPES", "fp32,bf16").split(","):
+        for zero in (1, 2, 3):
+            results[f"{dtype}-zero{zero}"] = run(dtype, zero, rank, world, out.parent)
+    if rank == 0:
+        out.write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
