@@ -82,7 +82,7 @@ def _write(p: Path, data: str | bytes) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """One of our consolidated checkpoints (random debug model), as export reads them."""
+    """One of our (sharded) checkpoints of a random debug model, as export reads them."""
     from llmtrain.config import load_config
     from llmtrain.export import save_consolidated
     from llmtrain.model import build_model
@@ -262,18 +262,23 @@ def _export_cases():
 
     def truncated_shard(t, ck):
         ck2 = _copy_ckpt(ck, t / "ck2")
-        _truncate(ck2 / "model.safetensors")
-        return ["export", str(ck2), "--out", str(t / "o")], ("model.safetensors",)
+        _truncate(ck2 / "__0_0.distcp")
+        return ["export", str(ck2), "--out", str(t / "o")], ("ck2",)
 
-    def corrupt_shard(t, ck):
+    def corrupt_metadata(t, ck):
         ck2 = _copy_ckpt(ck, t / "ck2")
-        _write(ck2 / "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
-        return ["export", str(ck2), "--out", str(t / "o")], ("corrupt",)
+        _write(ck2 / ".metadata", b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
+        return ["export", str(ck2), "--out", str(t / "o")], ("ck2",)
 
     def missing_shard(t, ck):
         ck2 = _copy_ckpt(ck, t / "ck2")
-        (ck2 / "model.safetensors").unlink()
-        return ["export", str(ck2), "--out", str(t / "o")], ("model.safetensors",)
+        (ck2 / "__0_0.distcp").unlink()
+        return ["export", str(ck2), "--out", str(t / "o")], ("ck2",)
+
+    def missing_index(t, ck):
+        ck2 = _copy_ckpt(ck, t / "ck2")
+        (ck2 / "tensors.json").unlink()
+        return ["export", str(ck2), "--out", str(t / "o")], ("ck2",)
 
     def other_model(t, ck):
         ck2 = _copy_ckpt(ck, t / "ck2")
