@@ -51,8 +51,9 @@ def test_single_process_run_outputs(reference):
 
 @pytest.mark.parametrize(
     "layout",
-    # ZeRO with gradient accumulation (2 micro-batches per rank) in the default suite: it runs
-    # only when DeepSpeed's backward prologue sees the model's output tensors
+    # ZeRO with gradient accumulation (2 micro-batches per rank) in the default suite: DeepSpeed
+    # sets its accumulation boundary in a backward prologue hooked on the model's output tensors
+    # (ModelOutput is a dict so it finds them); bf16 accumulation is checked in test_bf16.py
     [["parallel.zero_stage=2", "parallel.ep_size=2", "train.micro_batch_size=2"]]
     + [pytest.param(x, marks=pytest.mark.slow) for x in (
         ["parallel.zero_stage=2", "parallel.ep_size=2"],
