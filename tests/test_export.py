@@ -202,8 +202,6 @@ def test_text_generation_pipeline_on_export(ep_run, tmp_path):
 
 def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
     """Continued pre-training: the first logged loss is the HF model's loss on that batch."""
-    from llmtrain.data.loader import PackedDataset, batches_for_step
-    from llmtrain.data.prepare import prepare_data
 
     cfg = load_config(ROOT / "configs" / "debug.yaml", [f"data.cache_dir={cache}"])
     hf_cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
@@ -219,6 +217,14 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
     bad = run_train(tmp_path / "bad", 1, [f"data.cache_dir={cache}", f"train.init_from={tmp_path / 'hf'}",
                                           "model.n_group=2", "model.topk_group=1"], check=False)  # fmt: skip
     assert bad.returncode == 2 and "model.n_group=2 (checkpoint: 4)" in bad.stderr
+    assert first == pytest.approx(_hf_first_step_loss(hf, cfg), rel=1e-5)
+
+
+def _hf_first_step_loss(hf, cfg) -> float:
+    """transformers' mean loss over the micro-batches of step 0 (global batch 8, micro 4)."""
+    from llmtrain.data.loader import PackedDataset, batches_for_step
+    from llmtrain.data.prepare import prepare_data
+
     ds = PackedDataset(prepare_data(cfg.data, 1024), "train", cfg.train.seq_len)
     losses = []
     for mb in batches_for_step(ds, 0, 8, 0, 1, 4, cfg.train.seed):
@@ -228,7 +234,7 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
         losses.append(
             torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), y.reshape(-1)).item()
         )
-    assert first == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    return sum(losses) / len(losses)
 
 
 @pytest.mark.slow  # two 2-rank runs
@@ -236,8 +242,6 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
 def test_init_from_at_ep2_gives_the_hf_models_first_loss(tmp_path, cache, stage):
     """Each rank reads only its experts (under ZeRO-3 into its partitions): the first loss is
     the HF model's loss on the step's batch, as at one rank."""
-    from llmtrain.data.loader import PackedDataset, batches_for_step
-    from llmtrain.data.prepare import prepare_data
 
     cfg = load_config(ROOT / "configs" / "debug.yaml", [f"data.cache_dir={cache}"])
     hf_cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
@@ -252,16 +256,7 @@ def test_init_from_at_ep2_gives_the_hf_models_first_loss(tmp_path, cache, stage)
                        f"train.init_from={tmp_path / 'hf'}", "model.aux_loss_alpha=0",
                        f"parallel.zero_stage={stage}", "parallel.ep_size=2"])  # fmt: skip
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    ds = PackedDataset(prepare_data(cfg.data, 1024), "train", cfg.train.seq_len)
-    losses = []
-    for mb in batches_for_step(ds, 0, 8, 0, 1, 4, cfg.train.seed):
-        x, y = ds.batch(mb)
-        with torch.no_grad():
-            logits = hf(x).logits
-        losses.append(
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), y.reshape(-1)).item()
-        )
-    assert first == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert first == pytest.approx(_hf_first_step_loss(hf, cfg), rel=1e-5)
 
 
 def _push(args, env):
