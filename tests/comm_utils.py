@@ -68,7 +68,9 @@ def _origin(frame) -> tuple[str, str]:
         if mod.startswith("llmtrain"):
             return "bypass", f"{mod}.{frame.f_code.co_name}:{frame.f_lineno}"
         if mod.startswith(("deepspeed", "torch")) or mod == __name__:
-            if mod.startswith("deepspeed"):
+            # DeepSpeed and torch.distributed.checkpoint pick their collectives' devices
+            # themselves (DCP uses object collectives on the group's device)
+            if mod.startswith(("deepspeed", "torch.distributed.checkpoint")):
                 return "library", mod
             frame = frame.f_back
             continue

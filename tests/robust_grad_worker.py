@@ -15,19 +15,28 @@ from llmtrain.config import load_config  # noqa: E402
 from llmtrain.model import build_model  # noqa: E402
 from llmtrain.parallel.engine import Engine, init_distributed  # noqa: E402
 from llmtrain.parallel.layout import make_layout  # noqa: E402
-from llmtrain.train import checkpoint as ckpt  # noqa: E402
 from llmtrain.train import faults, health  # noqa: E402
+from llmtrain.train.checkpointing import Checkpointer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def snapshot(engine, model):
+    """This rank's fp32 master fragments and both Adam moments (what a checkpoint writes)."""
+    engine.prepare_optimizer_state()
     out = {}
     for name, p in model.named_parameters():
-        out[name] = engine.full_param(p).clone()
-        for key in ckpt.MOMENTS:
-            out[f"{name}::{key}"] = engine.full_moment(p, key).clone()
+        frag = engine.local_fragment(p)
+        if frag is not None:
+            for key, v in frag[1].items():
+                out[f"{name}::{key}"] = v.detach().clone()
     return out
+
+
+def all_ranks(items: list) -> list:
+    got = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(got, items)
+    return sorted({x for part in got for x in part})
 
 
 def run(dtype: str, zero: int, rank: int, world: int, out_dir: Path) -> dict:
@@ -43,7 +52,6 @@ def run(dtype: str, zero: int, rank: int, world: int, out_dir: Path) -> dict:
     for step in range(4):
         fault.arm(step)
         if step == 2:
-            engine.relink_optimizer_state()
             before = snapshot(engine, model)
         x = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, 33), generator=gen)
         for _ in range(layout.grad_accum):
@@ -55,19 +63,25 @@ def run(dtype: str, zero: int, rank: int, world: int, out_dir: Path) -> dict:
         res["norms"].append(norm)
         res["ok"].append(health.step_ok(float(out.loss.detach()), norm))
         if step == 2:
-            engine.relink_optimizer_state()
             after = snapshot(engine, model)
-            res["changed_by_bad_step"] = [k for k in before if not torch.equal(before[k], after[k])]
-    engine.relink_optimizer_state()
-    res["changed_after"] = sum(
-        not torch.equal(before[k], v) for k, v in snapshot(engine, model).items()
+            res["changed_by_bad_step"] = all_ranks(
+                [k for k in before if not torch.equal(before[k], after[k])]
+            )
+    res["changed_after"] = len(
+        all_ranks([k for k, v in snapshot(engine, model).items() if not torch.equal(before[k], v)])
     )
     if zero == 2:  # poison one weight: the save must refuse and keep nothing
-        p = next(iter(model.parameters()))
-        engine.set_full(p, torch.full(p.shape, float("nan")), None)
+        for p in model.parameters():
+            frag = engine.local_fragment(p)
+            if frag is not None:
+                with torch.no_grad():
+                    frag[1]["fp32"].fill_(float("nan"))
+                break
         run_dir = out_dir / f"run-{dtype}"
+        writer = Checkpointer(run_dir, model, rank, keep_last=2)
+        writer.engine = engine
         try:
-            ckpt.save_checkpoint(run_dir, 5, engine, model, {"step": 5}, "", None, 2, rank)
+            writer.save(5, {"step": 5}, "", None)
             res["nonfinite_save"] = "saved"
         except health.NonFiniteCheckpointError as e:
             res["nonfinite_save"] = str(e)

@@ -429,7 +429,7 @@ def test_train_resume_from_unusable_checkpoints(tmp_path, capsys, one_process_en
         _write(
             src / f"{i}.txt", "".join(f"def f{j}(x):\n    return x + {i * j}\n" for j in range(40))
         )
-    for name, damage in (("no-optimizer", lambda c: None), ("truncated", lambda c: _truncate(c / "model.safetensors"))):  # fmt: skip
+    for name, damage in (("no-optimizer", lambda c: None), ("truncated", lambda c: _truncate(c / "__0_0.distcp"))):  # fmt: skip
         ck2 = _copy_ckpt(ckpt, tmp_path / name)
         damage(ck2)
         before = _hashes([ck2])

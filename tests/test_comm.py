@@ -143,7 +143,8 @@ def test_training_run_hands_collectives_the_group_device(tmp_path, stage):
     _spawn(_train, run, str(tmp_path / "cache"), over)
     recs = json.loads((run / "records.json").read_text())
     callers = {c for _, c in recs}
-    assert "llmtrain.train.loop._train" in callers  # stats + expert loads
+    assert "llmtrain.train.loop._step" in callers  # stats + expert loads (bias update)
+    assert {"llmtrain.train.checkpointing.save", "llmtrain.train.checkpointing.resolve"} <= callers
     assert "llmtrain.train.loop.evaluate" in callers
     assert {"llmtrain.parallel.expert.forward", "llmtrain.parallel.expert.backward"} <= callers
     assert json.loads((run / "final.json").read_text())["loss"] > 0

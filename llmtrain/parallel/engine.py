@@ -59,6 +59,26 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group and forget DeepSpeed's cached groups, so a later run in the same
+    process (the Python API, a notebook) starts clean: DeepSpeed keeps clones of the world,
+    data-parallel and expert groups in module globals, and a new engine would use the dead ones."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        from deepspeed.utils import groups
+    except ImportError:  # pragma: no cover - deepspeed is a training dependency
+        return
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
+                 "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+                 "_ALL_TO_ALL_GROUP"):  # fmt: skip
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+
+
 def device_for(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

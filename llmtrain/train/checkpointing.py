@@ -213,6 +213,10 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"checkpoint {ck} lacks {missing[:5]}; written for another "
                                   "model config?")  # fmt: skip
+        if not any(index[n].get("moments") for n, info in want.items() if info["moments"]):
+            raise CheckpointError(f"checkpoint {ck} holds weights only, no optimizer state (an "
+                                  "export's checkpoint?); resume from a training checkpoint, "
+                                  "RUN/checkpoints/step_*")  # fmt: skip
         for name, info in want.items():
             if list(index[name]["shape"]) != info["shape"]:
                 raise CheckpointError(f"{name}: checkpoint shape {index[name]['shape']} != model "

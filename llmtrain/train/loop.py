@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from llmtrain.accounting import count
@@ -89,6 +88,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
         device_for,
         init_distributed,
         make_dispatcher,
+        shutdown_distributed,
     )
 
     run_dir = Path(run_dir)
@@ -111,8 +111,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
             return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
                           make_dispatcher, stop)  # fmt: skip
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 @dataclasses.dataclass
