@@ -158,7 +158,6 @@ def _train(
         (run_dir / "config.yaml").write_text(config_yaml)
 
     nan_steps = faults.nan_loss_steps()
-    run.grad_fault = faults.GradFault(run.model, rank)
     final: dict[str, Any] = {}
     run.engine.train()
     last_saved = run.start_step if ck_dir is not None else -1
@@ -234,6 +233,7 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
         load_hf_into(model, Path(init_from), cfg.model, gather=hooks.get("gather"))
     model.gradient_checkpointing = t.activation_checkpointing
     run.model, run.engine = model, Engine(model, cfg, run.layout)
+    run.grad_fault = faults.GradFault(model, run.rank)  # LLMTRAIN_FAULT_GRAD_STEPS (tests)
     run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
 
 
