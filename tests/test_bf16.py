@@ -168,18 +168,18 @@ def _loss_worker(
 
 
 def _spawn(fn, world: int, *args) -> None:
-    from tests.train_utils import free_port
+    from tests.train_utils import free_port, run_then_exit
 
     port = free_port()
     if world == 1:  # in a child all the same: the process group and DeepSpeed state stay out
         ctx = torch.multiprocessing.get_context("spawn")
-        p = ctx.Process(target=fn, args=(0, 1, port, *args))
+        p = ctx.Process(target=run_then_exit, args=(0, fn, 1, port, *args))
         p.start()
         p.join(300)
         assert p.exitcode == 0, f"worker failed ({p.exitcode})"
         return
     torch.multiprocessing.start_processes(
-        fn, args=(world, port, *args), nprocs=world, join=True, start_method="spawn"
+        run_then_exit, args=(fn, world, port, *args), nprocs=world, join=True, start_method="spawn"
     )
 
 

@@ -78,3 +78,12 @@ def kill_when_step(run_dir: Path, nproc: int, overrides, step: int) -> None:
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def run_then_exit(rank: int, fn, *args) -> None:
+    """A spawned worker that leaves with os._exit(0) after `fn` succeeds: C++ destructors of
+    gloo / DeepSpeed threads occasionally abort a finished process at interpreter exit."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
