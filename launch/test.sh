@@ -16,6 +16,7 @@ elif [ "${1:-}" = "--all" ]; then marker=(-m "slow or not slow"); shift; fi
 "$py" -m ruff check llmtrain tests benchmarks tools launch
 "$py" -m ruff format --check llmtrain tests benchmarks tools launch
 export DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
+"$py" -m llmtrain.parallel.ops --clean-shm  # 64 MiB workspaces older DeepSpeed runs left in RAM
 set +e
 "$py" -m pytest "${marker[@]}" "$@"
 rc=$?

@@ -181,3 +181,39 @@ def test_recorder_rejects_a_tensor_off_the_declared_device():
 
     with pytest.raises(CommDeviceError, match="not on the group's device"):
         record_collectives(run)
+
+
+# ---------------------------------------------------------------- shared-memory workspace
+
+
+def _shm_names(rank, world, out_dir):
+    import deepspeed
+
+    from llmtrain.parallel.engine import SHM_DIR, release_shm_names, shm_buffer_name
+
+    os.environ["LOCAL_SIZE"] = str(world)  # what the deepspeed launcher sets on one node
+    deepspeed.init_distributed(dist_backend="gloo")
+    mine = os.path.join(SHM_DIR, shm_buffer_name(rank))
+    created = os.path.exists(mine)  # DeepSpeed's op made it and would leave it behind
+    release_shm_names()
+    t = torch.full((8,), float(rank + 1))
+    deepspeed.comm.inference_all_reduce(t)  # the op's shm path, on mappings whose names are gone
+    (out_dir / f"{rank}.json").write_text(
+        json.dumps({"created": created, "left": os.path.exists(mine), "sum": t.tolist()})
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~20 s: DeepSpeed start-up on two ranks
+def test_deepspeed_shm_workspace_is_unlinked_after_init(tmp_path):
+    """DeepSpeed's CPU shm op leaves a 64 MiB /dev/shm workspace per rank forever (tmpfs is RAM:
+    a test suite of launches filled 20 GiB). init_distributed unlinks the names once all ranks
+    have mapped them; the all-reduce still runs through the mappings."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    _spawn(_shm_names, tmp_path)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert r["created"], "DeepSpeed created no shm workspace: the test checks nothing"
+        assert not r["left"]
+        assert r["sum"] == [3.0] * 8

@@ -253,6 +253,31 @@ def test_stale_jit_lock_is_detected_and_named(tmp_path, monkeypatch):
     ops.check_jit_locks(recheck_s=0.05)
 
 
+def test_stale_shm_workspaces_are_those_no_process_maps():
+    import mmap
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    base = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_test{os.getpid()}_1_"
+    live, dead = base + "0", base + "1"
+    for path in (live, dead):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    f = open(live, "r+b")
+    m = mmap.mmap(f.fileno(), 4096)  # a rank still running maps its workspace
+    try:
+        stale = [str(p) for p in ops.stale_shm_workspaces()]
+        assert dead in stale and live not in stale
+        assert ops.main(["--clean-shm"]) == 0
+        assert not os.path.exists(dead) and os.path.exists(live)
+    finally:
+        m.close()
+        f.close()
+        for path in (live, dead):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_training_with_a_stale_jit_lock_fails_fast(cache, tmp_path, monkeypatch, capsys):
     """`llmtrain train` (in this process: it stops before any process group) and `ops --check`."""
     from llmtrain.cli import main

@@ -56,7 +56,41 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)
+        release_shm_names()
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_buffer_name(rank: int) -> str:
+    """The POSIX shared-memory name DeepSpeed's CPU all-reduce op gives `rank`'s workspace
+    (ops/csrc/cpu/comm/shm.cpp, shm_initialize: SHM_BUFFER_NAME_<uid>_<addr>_<port>_<rank>)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_names() -> None:
+    """Unlink this rank's DeepSpeed shared-memory workspace name once every rank has mapped it.
+
+    Why: on CPU, when all ranks share a machine (LOCAL_SIZE == WORLD_SIZE, as under the
+    `deepspeed` launcher on one node), DeepSpeed's shm op creates a 64 MiB workspace per rank in
+    /dev/shm and never unlinks it (shm.cpp has a `shared_close` that nothing calls). tmpfs is
+    RAM, so each run leaked 64 MiB per rank until the machine ran out of memory. The op maps
+    every peer's workspace inside `initialize` (it loops until the name appears), so after a
+    barrier the names are no longer needed: unlinking keeps the mappings alive and the kernel
+    frees the memory when the last rank exits, however it exits.
+    """
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or os.environ.get("LOCAL_SIZE") != world or not dist.is_initialized():
+        return  # the op creates no workspace unless every rank is local
+    if dist.get_backend() == "nccl":
+        return  # the CPU shm op is built only for the CPU accelerator
+    dist.barrier()  # every rank has mapped every peer's workspace by now
+    try:
+        os.unlink(os.path.join(SHM_DIR, shm_buffer_name(dist.get_rank())))
+    except FileNotFoundError:
+        pass
 
 
 def shutdown_distributed() -> None:

@@ -113,6 +113,27 @@ def check_jit_locks(recheck_s: float | None = None) -> None:
             )
 
 
+def stale_shm_workspaces() -> list[Path]:
+    """DeepSpeed CPU all-reduce workspaces in /dev/shm (this user's) that no process here maps:
+    left by runs of DeepSpeed before `engine.release_shm_names`, or killed during start-up.
+    Each holds 64 MiB of RAM until removed."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not Path("/proc/self/maps").exists():
+        return []
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    found = sorted(p for p in shm.glob(prefix + "*") if p.is_file())
+    if not found:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(None, 5)[-1].strip() for line in maps.read_text().splitlines()
+                          if "/dev/shm/" in line)  # fmt: skip
+        except OSError:  # gone, or another user's process
+            continue
+    return [p for p in found if str(p) not in mapped]
+
+
 def build(names: list[str] | None = None) -> list[str]:
     """Compile (or load, when cached) DeepSpeed's CPU ops; returns the ones ready. On a CUDA
     machine (unless DS_ACCELERATOR=cpu) there is nothing to do: no CPU op is built at start-up."""
@@ -144,10 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--build", action="store_true", help="compile DeepSpeed's CPU ops now")
     g.add_argument("--check", action="store_true", help="fail on a stale JIT build lock")
+    g.add_argument("--clean-shm", action="store_true",
+                   help="remove DeepSpeed shared-memory workspaces no process maps")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.build:
+        if args.clean_shm:
+            stale = stale_shm_workspaces()
+            for path in stale:
+                path.unlink(missing_ok=True)
+            print(f"removed {len(stale)} stale DeepSpeed shm workspace(s) from /dev/shm")
+        elif args.build:
             print("DeepSpeed CPU ops ready:", ", ".join(build()) or "none needed")
         else:
             check_jit_locks()
