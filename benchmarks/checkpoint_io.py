@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,7 +101,9 @@ def launch(layout: tuple[int, int, int], args, run_dir: Path, resume: Path | Non
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"run {layout} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+    shutil.rmtree(out)
+    return ranks
 
 
 def _bytes(path: Path) -> int:
@@ -138,6 +141,7 @@ def main() -> None:
         first = first or ck
         results.append({"layout": dict(zip(("world", "ep", "zero"), lay)), "resumed": i > 0,
                         "bytes": _bytes(ck), "ranks": ranks})  # fmt: skip
+    shutil.rmtree(tmp)  # the runs' checkpoints (GBs); a failed run exits above and keeps them
 
     gib = 2**30
     print(f"{'run':<22}{'rank':>5}{'train GiB':>11}{'save GiB':>10}{'save/tr':>9}{'load GiB':>10}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main() -> None:
     in_sizes = [(ckdir / f).stat().st_size for f in in_files]
     bound = 1.5 * max(out_sizes) + max(in_sizes)
     used = r["peak"] - r["base"]
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"model weights {total / 1e6:.0f} MB; {len(in_files)} input shards (largest {max(in_sizes) / 1e6:.0f} MB); "
           f"{len(out_sizes)} output shards (largest {max(out_sizes) / 1e6:.0f} MB)")  # fmt: skip
     print(f"export peak RSS above baseline: {used / 1e6:.0f} MB; bound 1.5 x largest output + one input = "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def measure(
         raise RuntimeError(
             f"training failed ({p.returncode}); see {log}:\n{log.read_text()[-3000:]}"
         )
+    shutil.rmtree(run_dir)  # GBs of checkpoint; the log stays (a failed run keeps it all)
     return {"train_peak": train_peak, "hwm": hwm, "wall_s": time.time() - t0, "log": str(log)}
 
 

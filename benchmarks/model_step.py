@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import platform
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main() -> None:
                 run_child(kind, path, tmp, batch, seq, args.steps, args.threads)
             )
     ceiling = max(ceiling, matmul_ceiling())
+    shutil.rmtree(tmp, ignore_errors=True)  # the HF checkpoint both sides loaded
 
     rows = {}
     for (kind, path), rs in runs.items():

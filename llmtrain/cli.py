@@ -468,13 +468,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"llmtrain {cmd}: interrupted".replace("  ", " "), file=sys.stderr)
+        _say(f"llmtrain {cmd}: interrupted".replace("  ", " "))
         return 130
     except Exception as e:
         if debug:
             raise
-        print(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "), file=sys.stderr)
+        _say(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "))
         return 2 if is_user_error(e) else 1
+
+
+def _say(line: str) -> None:
+    """One write for the line and its newline: ranks share stderr, and `print` writes the end
+    separately when Python is unbuffered (PYTHONUNBUFFERED), so two ranks' lines could merge."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _run(argv: list[str], debug: bool) -> int:

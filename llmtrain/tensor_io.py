@@ -64,8 +64,8 @@ def read_tensors(
                 step = (b - a) // rows
                 for r in range(rows):
                     fh.seek(8 + n + a + r * step)
-                    buf = bytearray(fh.read(step))
-                    if len(buf) != step:
+                    buf = bytearray(step)  # in place: bytearray(fh.read()) holds two copies
+                    if fh.readinto(buf) != step:
                         raise TensorFileError(f"{path} is truncated (tensor {name})")
                     t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
                     yield name, t.reshape([1, *shape[1:]] if rows > 1 else shape), r
@@ -119,7 +119,10 @@ class ShardWriter:
         n = t.numel() * t.element_size()
         if self.buf and self.size + n > self.max:
             self.flush()
-        self.buf[name] = t.contiguous()
+        t = t.contiguous()
+        if t.untyped_storage().nbytes() > n:  # a view (one expert of a block): keep only it,
+            t = t.clone()  # not the whole block until the shard is written
+        self.buf[name] = t
         self.size += n
         self.total += n
 

@@ -153,6 +153,11 @@ def test_legacy_checkpoint_is_read_and_converted(tmp_path, debug_cfg):
         assert torch.equal(load_model(new)(ids).logits, want)
     with pytest.raises(CheckpointError, match="not empty"):
         convert(old, new)
+    legacy = open_checkpoint(old)  # stacked experts in blocks of rows (export reads them so)
+    name = next(n for n in params if n.endswith("w_gate_up"))
+    blocks = list(legacy.rows(name, max_bytes=2 * params[name][0].numel() * 4 + 1))
+    assert [r0 for r0, _ in blocks] == list(range(0, params[name].shape[0], 2))
+    assert torch.equal(torch.cat([b for _, b in blocks]), params[name].detach())
 
 
 def test_checkpoint_convert_command(tmp_path, debug_cfg):

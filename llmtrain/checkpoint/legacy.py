@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,22 +48,42 @@ class LegacyReader:
     def has_moments(self, name: str) -> bool:
         return f"{name}::{MOMENTS[0]}" in self.files["optimizer"]
 
-    def _get(self, stem: str, key: str) -> torch.Tensor:
+    def _get(self, stem: str, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or only its rows [r0, r1) along dim 0 (a byte range of the file)."""
         f = self.files[stem].get(key)
         if f is None:
             raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
         path = self.dir / f
         info = self.headers[f][key]
         a, b = info["data_offsets"]
+        shape = list(info["shape"])
+        if rows is not None:
+            row_bytes = (b - a) // shape[0] if shape and shape[0] else 0
+            a, b = a + rows[0] * row_bytes, a + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             fh.seek(8 + n + a)
-            buf = bytearray(fh.read(b - a))
-        if len(buf) != b - a:
+            buf = bytearray(b - a)  # read in place: bytearray(fh.read()) holds two copies
+            got = fh.readinto(buf)
+        if got != b - a:
             raise CheckpointError(f"{path} is truncated (tensor {key})")
         dtype = _ST_DTYPES[info["dtype"]]
         t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-        return t.reshape(info["shape"])
+        return t.reshape(shape)
+
+    def rows(self, name: str, max_bytes: int = 2**30) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, tensor of rows) blocks of at most ~max_bytes along dim 0: a stacked expert
+        tensor of a large model is tens of GB, more than one process should hold at once."""
+        shape = self.shape(name)
+        if not shape:
+            yield 0, self.read(name)
+            return
+        info = self.headers[self.files["model"][name]][name]
+        a, b = info["data_offsets"]
+        per = max(1, max_bytes // max(1, (b - a) // max(1, shape[0])))
+        for r in range(0, shape[0], per):
+            yield r, self._get("model", name, (r, min(shape[0], r + per)))
 
     def read(self, name: str, moment: str | None = None) -> torch.Tensor:
         if moment is None:

@@ -62,8 +62,9 @@ class CheckpointSource:
 
     ROW_BYTES = 256 * 2**20  # experts are read in blocks of at most this many bytes
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, row_bytes: int | None = None):
         self.dir = resolve_checkpoint(path)
+        self.row_bytes = row_bytes or self.ROW_BYTES
         cfg_file = self.dir / "config.yaml"
         if not cfg_file.is_file():
             raise ExportError(f"checkpoint {self.dir} lacks config.yaml")
@@ -115,7 +116,7 @@ class CheckpointSource:
 
     def _rows(self, name: str):
         if hasattr(self.reader, "rows"):
-            yield from self.reader.rows(name, self.ROW_BYTES)
+            yield from self.reader.rows(name, self.row_bytes)
         else:
             yield 0, self.reader.read(name)
 
@@ -227,7 +228,8 @@ def export(
     from llmtrain.export.card import model_card
 
     _return_freed_buffers_to_os()
-    src = CheckpointSource(checkpoint)
+    # experts are read in blocks no larger than an output shard: peak memory follows shard_size
+    src = CheckpointSource(checkpoint, min(CheckpointSource.ROW_BYTES, parse_size(shard_size)))
     mc = src.config.model
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
     if torch_dtype is None:

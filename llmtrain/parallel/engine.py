@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config import Config
+from llmtrain.parallel import comm
 from llmtrain.parallel.expert import ExpertParallelDispatcher
 from llmtrain.parallel.layout import Layout
 
@@ -86,7 +87,7 @@ def release_shm_names() -> None:
         return  # the op creates no workspace unless every rank is local
     if dist.get_backend() == "nccl":
         return  # the CPU shm op is built only for the CPU accelerator
-    dist.barrier()  # every rank has mapped every peer's workspace by now
+    comm.barrier()  # every rank has mapped every peer's workspace by now
     try:
         os.unlink(os.path.join(SHM_DIR, shm_buffer_name(dist.get_rank())))
     except FileNotFoundError:
