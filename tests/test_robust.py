@@ -253,6 +253,43 @@ def test_stale_jit_lock_is_detected_and_named(tmp_path, monkeypatch):
     ops.check_jit_locks(recheck_s=0.05)
 
 
+def test_op_build_retries_with_one_job_then_says_what_to_check(monkeypatch, tmp_path, capsys):
+    import deepspeed.accelerator
+
+    calls = []
+
+    class Builder:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def is_compatible(self, verbose=False):
+            return True
+
+        def load(self, verbose=False):
+            calls.append(os.environ.get("MAX_JOBS"))
+            if len(calls) <= self.fails:
+                raise RuntimeError("Error building extension 'cpu_adam'\nc++: fatal error: Killed")
+
+    class Acc:
+        fails = 1
+
+        def create_op_builder(self, cls):
+            return Builder(self.fails)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("MAX_JOBS", "")  # so that teardown restores the caller's environment
+    monkeypatch.delenv("MAX_JOBS")
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Acc())
+    assert ops.build(["cpu_adam"]) == ["cpu_adam"]  # killed once, then built with one job
+    assert calls == [None, "1"]
+    calls.clear()
+    Acc.fails = 2
+    monkeypatch.delenv("MAX_JOBS")
+    assert ops.main(["--build"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compiling DeepSpeed's" in err[0] and "RAM available" in err[0]
+
+
 def test_stale_shm_workspaces_are_those_no_process_maps():
     import mmap
 

@@ -113,6 +113,32 @@ def check_jit_locks(recheck_s: float | None = None) -> None:
             )
 
 
+def _meminfo_gib(key: str) -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+class OpBuildError(RuntimeError):
+    """A DeepSpeed CPU op failed to compile, twice; the message says what to look at."""
+
+    def __init__(self, ext: str, cause: BaseException):
+        avail, shmem = _meminfo_gib("MemAvailable"), _meminfo_gib("Shmem")
+        mem = f"; {avail:.1f} GiB of RAM available" if avail is not None else ""
+        shm = (f", {shmem:.1f} GiB held by shared memory (/dev/shm: `python -m "
+               f"llmtrain.parallel.ops --clean-shm` frees DeepSpeed workspaces no run uses)"
+               if shmem is not None and shmem > 1 else "")  # fmt: skip
+        super().__init__(
+            f"compiling DeepSpeed's {ext} op failed ({str(cause).splitlines()[0][:200]}){mem}{shm}."
+            f" The compiler needs about 2 GiB; the full log: TORCH_EXTENSIONS_DIR, or rerun "
+            f"`python -m llmtrain.parallel.ops --build` with LLMTRAIN_DEBUG=1"
+        )
+
+
 def stale_shm_workspaces() -> list[Path]:
     """DeepSpeed CPU all-reduce workspaces in /dev/shm (this user's) that no process here maps:
     left by runs of DeepSpeed before `engine.release_shm_names`, or killed during start-up.
@@ -154,7 +180,17 @@ def build(names: list[str] | None = None) -> list[str]:
             logger.warning("DeepSpeed op %s is not available on this machine; skipped", ext)
             continue
         t0 = time.perf_counter()
-        builder.load(verbose=False)
+        try:
+            builder.load(verbose=False)
+        except Exception as e:  # most often the compiler killed for memory (cc1plus, -O3)
+            if os.environ.get("MAX_JOBS") == "1":
+                raise OpBuildError(ext, e) from e
+            logger.warning("building %s failed (%s); retrying with one compiler job", ext, e)
+            os.environ["MAX_JOBS"] = "1"  # torch's cpp_extension passes it to ninja -j
+            try:
+                builder.load(verbose=False)
+            except Exception as e2:
+                raise OpBuildError(ext, e2) from e2
         logger.info("DeepSpeed op %s ready in %.1f s", ext, time.perf_counter() - t0)
         done.append(ext)
     return done
@@ -180,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             check_jit_locks()
             print("no stale DeepSpeed build lock")
-    except StaleLockError as e:
-        print(f"llmtrain ops: error: {e}", file=sys.stderr)
+    except (StaleLockError, OpBuildError) as e:
+        if os.environ.get("LLMTRAIN_DEBUG"):
+            raise
+        sys.stderr.write(f"llmtrain ops: error: {e}\n")
         return 2
     return 0
 
