@@ -26,6 +26,7 @@ from llmtrain.checkpoint.format import (
 from llmtrain.tensor_io import ShardWriter
 
 from .conftest import ROOT
+from .train_utils import run_then_exit
 
 # full tensors: a dense matrix split at arbitrary offsets (ZeRO-1/2), stacked experts [E, 3, 2]
 # split by expert parallelism (rows) and then by ZeRO within each expert-parallel rank
@@ -81,7 +82,9 @@ def _worker(rank, world, port, d, phase):
 
 
 def test_pieces_reshard_between_rank_counts(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "two"), "save"), nprocs=2)
+    mp.spawn(
+        run_then_exit, args=(_worker, 2, _free_port(), str(tmp_path / "two"), "save"), nprocs=2
+    )
     write_index(tmp_path / "two", {"w": {"shape": [5, 7]}, "x": {"shape": [4, 3, 2]},
                                    "bias": {"shape": [4]}})  # fmt: skip
     # the replicated bias went to one file only; each rank wrote its own file
@@ -93,7 +96,7 @@ def test_pieces_reshard_between_rank_counts(tmp_path):
         {"w": ((5, 7), lambda: W), "bias": ((4,), lambda: BIAS), "x": ((4, 3, 2), lambda: X)},
         moments={"x": lambda m: X},
     )
-    mp.spawn(_worker, args=(3, _free_port(), str(tmp_path), "load"), nprocs=3)
+    mp.spawn(run_then_exit, args=(_worker, 3, _free_port(), str(tmp_path), "load"), nprocs=3)
     # offline (no process group): full tensors in their saved shape, experts by row blocks
     r = ShardedReader(tmp_path / "two")
     assert torch.equal(r.read("w"), W) and torch.equal(r.read("bias"), BIAS)

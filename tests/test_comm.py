@@ -21,12 +21,12 @@ from llmtrain.parallel import comm
 
 from .comm_utils import CommDeviceError, record_collectives
 from .conftest import ROOT
-from .train_utils import free_port
+from .train_utils import free_port, run_then_exit
 
 
 def _spawn(fn, *args, world: int = 2) -> None:
     port = free_port()
-    mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
+    mp.spawn(run_then_exit, args=(_entry, world, port, fn, args), nprocs=world, join=True)
 
 
 def _entry(rank, world, port, fn, args):

@@ -16,7 +16,7 @@ from llmtrain.parallel import ops
 from llmtrain.train import health
 
 from .conftest import ROOT
-from .train_utils import VENV_BIN, env, free_port, metrics, run_train, train_cmd
+from .train_utils import VENV_BIN, env, free_port, metrics, run_then_exit, run_train, train_cmd
 
 STEPS = 16
 
@@ -445,7 +445,7 @@ def test_validation_covers_the_same_sequences_at_any_world_size(tmp_path):
     got = {}
     for world in (1, 2, 3):
         out = tmp_path / f"w{world}"
-        mp.spawn(_eval_rank, args=(world, free_port(), out), nprocs=world)
+        mp.spawn(run_then_exit, args=(_eval_rank, world, free_port(), out), nprocs=world)
         got[world] = float(out.read_text())
     for world, v in got.items():
         assert abs(v - ref) <= 1e-5 * abs(ref), (world, v, ref)
