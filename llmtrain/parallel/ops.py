@@ -134,8 +134,8 @@ class OpBuildError(RuntimeError):
                if shmem is not None and shmem > 1 else "")  # fmt: skip
         super().__init__(
             f"compiling DeepSpeed's {ext} op failed ({str(cause).splitlines()[0][:200]}){mem}{shm}."
-            f" The compiler needs about 2 GiB; the full log: TORCH_EXTENSIONS_DIR, or rerun "
-            f"`python -m llmtrain.parallel.ops --build` with LLMTRAIN_DEBUG=1"
+            f" The compiler needs about 2 GiB; for its full output rerun "
+            f"`LLMTRAIN_DEBUG=1 python -m llmtrain.parallel.ops --build`"
         )
 
 
