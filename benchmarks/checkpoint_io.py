@@ -9,6 +9,7 @@ reads VmHWM after it, so every figure is that phase's own peak. Goal: save and r
 most 1.3x the training peak of the same rank. Prints a table, writes JSON. Run it alone:
 
     flock /tmp/llmtrain-heavy.lock .venv/bin/python benchmarks/checkpoint_io.py
+    ... train.async_save=true      # stall: what training waits for (the copy), beside the save
     ... --save-layout 2,2,3 --resume-layouts 2,2,3 1,1,3      # ZeRO-3 + EP 2 (W,EP,ZERO)
 """
 
@@ -77,7 +78,10 @@ def child(args) -> None:
     comm.barrier()
     _reset_peak()
     t0 = time.perf_counter()
-    ck = run.checkpointer.save(done, {"step": done}, yaml.safe_dump(cfg.to_dict()), None)
+    ck = run.checkpointer.save(done, {"step": done}, yaml.safe_dump(cfg.to_dict()), None,
+                               asynchronous=cfg.train.async_save)  # fmt: skip
+    rec["stall_s"] = time.perf_counter() - t0  # what training waits for (async: the copy)
+    run.checkpointer.wait()
     rec["save_s"], rec["save_peak"] = time.perf_counter() - t0, _status("VmHWM")
     rec["checkpoint"] = str(ck)
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(rec))
@@ -155,13 +159,15 @@ def main() -> None:
             print(f"{name:<22}{k['rank']:>5}{tr / gib:>11.2f}{k['save_peak'] / gib:>10.2f}"
                   f"{k['save_peak'] / tr:>9.2f}"
                   + (f"{load / gib:>10.2f}{load / tr:>9.2f}" if load else f"{'-':>10}{'-':>9}"))  # fmt: skip
-    print(f"\n{'ranks':>5}{'MB':>9}{'save s':>9}{'save MB/s':>11}{'load s':>9}{'load MB/s':>11}")
+    print(f"\n{'ranks':>5}{'MB':>9}{'stall s':>9}{'save s':>9}{'save MB/s':>11}{'load s':>9}"
+          f"{'load MB/s':>11}")  # fmt: skip
     for r in results:
         mb = r["bytes"] / 1e6
         save = max(k["save_s"] for k in r["ranks"])
+        stall = max(k["stall_s"] for k in r["ranks"])
         load = max((k.get("load_s", 0) for k in r["ranks"]), default=0)
         lo = f"{load:>9.2f}{mb / load:>11.1f}" if load else f"{'-':>9}{'-':>11}"
-        print(f"{r['layout']['world']:>5}{mb:>9.1f}{save:>9.2f}{mb / save:>11.1f}{lo}")
+        print(f"{r['layout']['world']:>5}{mb:>9.1f}{stall:>9.2f}{save:>9.2f}{mb / save:>11.1f}{lo}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": args.config, "steps": args.steps,
                                           "runs": results}, indent=1))  # fmt: skip

@@ -207,11 +207,15 @@ def test_sigterm_two_ranks_agree_on_the_step(reference, cache, tmp_path):
 # ---------------------------------------------------------------- (g) full disk during a save
 
 
-def test_full_disk_during_save_keeps_the_previous_checkpoint(cache, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_during_save_keeps_the_previous_checkpoint(cache, tmp_path, mode):
+    """A background save's failure surfaces at the next save with the same one line."""
     from llmtrain.checkpoint import open_checkpoint
 
     run = tmp_path / "run"
-    over = base(cache, "train.max_steps=6", "train.save_every=2")
+    over = base(
+        cache, "train.max_steps=6", "train.save_every=2", f"train.async_save={mode == 'async'}"
+    )
     p = run_train(run, 1, over, check=False, LLMTRAIN_FAULT_ENOSPC_SAVE="4")
     assert p.returncode == 2, p.stderr[-2000:]
     last = _last_line(p.stderr)

@@ -128,6 +128,33 @@ def test_sigkill_during_saves_resumes_to_the_same_curve(reference, cache, tmp_pa
     _same_curve(metrics(reference), metrics(run))
 
 
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [(1, []), pytest.param(2, ["parallel.zero_stage=2", "parallel.ep_size=2"],
+                           marks=pytest.mark.slow)],
+    ids=["1rank", "2ranks-ep2"],
+)  # fmt: skip
+def test_async_save_writes_the_same_checkpoints(reference, cache, tmp_path, nproc, layout):
+    """train.async_save: the copy is written in the background while training goes on, yet the
+    checkpoints hold the step they name: a run killed during a background write keeps the
+    previous `latest`, and resuming gives the uninterrupted curve."""
+    from llmtrain.checkpoint import open_checkpoint
+
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    over = base(cache, "train.save_every=5", "train.async_save=true", *layout)
+    p = run_train(run, nproc, over, check=False, LLMTRAIN_FAULT_KILL_IN_SAVE="write@15")
+    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000010"
+    assert (ck / "step_00000015.tmp").is_dir()  # killed mid-write: never latest
+    run_train(run, nproc, [*over, "resume=auto"])
+    assert (ck / "latest").read_text() == "step_00000020" and not list(ck.glob("*.tmp"))
+    _same_curve(metrics(reference), metrics(run), tol=1e-6 if nproc == 1 else 1e-4)
+    got = open_checkpoint(ck / "step_00000020")  # the final weights, as the sync save writes
+    want = open_checkpoint(reference / "checkpoints" / "step_00000020")
+    for name in want.names():
+        tol = {"rtol": 0, "atol": 0} if nproc == 1 else {"rtol": 1e-3, "atol": 1e-5}
+        torch.testing.assert_close(got.read(name), want.read(name), **tol)
+
+
 def test_resume_from_a_consolidated_checkpoint(reference, cache, tmp_path):
     """A checkpoint in the earlier consolidated format (written here with the old writer from
     the reference's step 10) resumes to the same curve."""

@@ -216,12 +216,15 @@ def save_pieces(
     blobs: dict[str, bytes] | None = None,
     on_write: Callable[[int, int], None] | None = None,
     no_dist: bool = False,
+    group=None,
 ) -> None:
     """Every rank writes its pieces into its own file under `path`; rank 0 writes `.metadata`.
-    Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before the i-th piece."""
+    Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before the i-th piece. `group`:
+    the process group DCP coordinates over (default: the default group)."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     planner = PieceSavePlanner(pieces, blobs or {}, on_write)
-    _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist)
+    _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist,
+               process_group=group)  # fmt: skip
 
 
 def load_pieces(

@@ -91,3 +91,12 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def new_cpu_group():
+    """A gloo group over every rank, for collectives run off the training thread (a background
+    checkpoint write): its operations never interleave with the training group's. All ranks
+    must call it, in the same order. None when not distributed."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")

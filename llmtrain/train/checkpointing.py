@@ -11,6 +11,10 @@ files, the directory and its parent are fsynced, then it is renamed and `latest`
 fsynced. A save killed at any point never becomes `latest`. A state holding NaN/inf is never
 saved, and a failed write (a full disk) stops every rank with the previous checkpoint and `latest`
 untouched (train/health.py: the ranks agree on the verdict before anything is renamed).
+Asynchronous saves (`train.async_save`): the pieces are copied to host memory at the step, and
+the write, the agreement, the rename and `latest` run in a background thread whose collectives
+go over a gloo group of their own (DCP's coordination included), so they never interleave with
+training's; one save is in flight at most, and its error is raised by the next `wait()`.
 `LLMTRAIN_FAULT_KILL_IN_SAVE=POINT[@STEP]` SIGKILLs the process at POINT (start, write, files,
 rename, latest, prune) of a save, for tests.
 
@@ -20,6 +24,7 @@ Layout:  RUN/checkpoints/step_00000100/{.metadata, __R_0.distcp, tensors.json, s
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -27,6 +32,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +70,8 @@ class Checkpointer:
         self.ckdir = self.run_dir / "checkpoints"
         self.model, self.rank, self.keep_last = model, rank, keep_last
         self.engine = None
+        self._pending: _Background | None = None  # an asynchronous save in flight
+        self._group = None  # its process group (gloo), made at the first asynchronous save
 
     # ------------------------------------------------------------ which checkpoint
 
@@ -129,7 +137,19 @@ class Checkpointer:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict, config_yaml: str, tokenizer_file: Path | None) -> Path:
+    def save(
+        self,
+        step: int,
+        state: dict,
+        config_yaml: str,
+        tokenizer_file: Path | None,
+        asynchronous: bool = False,
+    ) -> Path:
+        """Save the run at `step`. `asynchronous`: copy this rank's pieces to host memory, then
+        write and rename them in a background thread while training goes on; the previous
+        checkpoint stays `latest` until this one is complete. Errors of a background save are
+        raised by the next `wait()` (the next save, the end of the run, a stop)."""
+        self.wait()  # one save in flight at most; its error surfaces here
         final = self.ckdir / f"step_{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         guard = health.SaveGuard(step, self.ckdir)
@@ -149,18 +169,46 @@ class Checkpointer:
                 guard.first_bad = pc.key
                 break
         guard.agree()  # collective: every rank raises the same error
+        state = {
+            **state,
+            "optimizer_step": self.engine.optimizer_step_count(),
+            "format": fmt.FORMAT,
+        }
+        blobs = {f"rng/{self.rank}": _rng_bytes()}
+        if not asynchronous:
+            self._write(step, tmp, final, pieces, index, blobs, state, config_yaml,
+                        tokenizer_file, guard)  # fmt: skip
+            return final
+        # the optimizer updates these fragments in place at the next step: write a copy
+        staged = [dataclasses.replace(pc, tensor=pc.data().to("cpu", copy=True), produce=None)
+                  for pc in pieces]  # fmt: skip
+        if self._group is None:
+            self._group = comm.new_cpu_group()
+        guard.group = self._group
+        args = (step, tmp, final, staged, index, blobs, state, config_yaml, tokenizer_file, guard)
+        self._pending = _Background(self._write_reported, args)
+        return final
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is complete; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+
+    def _write_reported(self, step: int, *args) -> None:
+        """A background save: an OS error is cleaned up and reported like a synchronous one."""
+        health.guarded_save(lambda: self._write(step, *args), self.run_dir, step)
+
+    def _write(self, step, tmp, final, pieces, index, blobs, state, config_yaml, tokenizer_file,
+               guard) -> None:  # fmt: skip
+        """Write the pieces and files under `tmp`, agree, rename to `final`, replace `latest`."""
 
         def on_write(i: int, n: int) -> None:
             if i == n // 2 + 1:
                 _fault("write", step)
                 faults.maybe_disk_full(step, tmp)
 
-        fmt.save_pieces(tmp, pieces, {f"rng/{self.rank}": _rng_bytes()}, on_write)
-        state = {
-            **state,
-            "optimizer_step": self.engine.optimizer_step_count(),
-            "format": fmt.FORMAT,
-        }
+        fmt.save_pieces(tmp, pieces, blobs, on_write, group=guard.group)
         if self.rank == 0:
             with guard.attempt():
                 fmt.write_index(tmp, index)
@@ -188,7 +236,6 @@ class Checkpointer:
                 for old in done[: -self.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
         guard.agree()  # a late write error stops every rank, not only the writer
-        return final
 
     # ------------------------------------------------------------ restore
 
@@ -251,6 +298,28 @@ class Checkpointer:
         rng = src.rng()
         if rng is not None:
             torch.set_rng_state(rng)
+
+
+class _Background:
+    """Runs `fn(*args)` in a daemon thread (a dead run must not wait on it at exit); `join`
+    re-raises its exception in the caller's thread."""
+
+    def __init__(self, fn, args):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
+                                       name="llmtrain-save")  # fmt: skip
+        self.thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # handed to the training thread
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _rng_bytes() -> bytes:

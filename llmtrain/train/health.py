@@ -79,8 +79,8 @@ class SaveGuard:
     save's collectives. `agree()` is collective; on a failure every rank removes the partial
     files (rank 0) and raises the same one-line error."""
 
-    def __init__(self, step: int, ckdir: Path):
-        self.step, self.ckdir = step, ckdir
+    def __init__(self, step: int, ckdir: Path, group=None):
+        self.step, self.ckdir, self.group = step, ckdir, group
         self.first_bad: str | None = None
         self.error: OSError | None = None
 
@@ -112,7 +112,7 @@ class SaveGuard:
         if dist.is_initialized():
             from llmtrain.parallel import comm
 
-            comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             rank = dist.get_rank()
         bad, err = bool(flags[0]), int(flags[1])
         if not bad and not err:

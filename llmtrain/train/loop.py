@@ -157,11 +157,26 @@ def _train(
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
 
-    nan_steps = faults.nan_loss_steps()
-    final: dict[str, Any] = {}
     run.engine.train()
     last_saved = run.start_step if ck_dir is not None else -1
     stop.arm()  # from here a signal stops the run at the next step boundary, with a checkpoint
+    try:
+        final, last_saved = _loop(run, stop, metrics, counts, config_yaml, last_saved)
+    except BaseException:
+        _settle_saves(run)  # a background save finishes (or fails) before the error leaves
+        raise
+    metrics.close()
+    _finish(run, final, last_saved)
+    return final
+
+
+def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
+    """The steps, each with its evaluations, metrics and saves; returns (last record, last
+    saved step)."""
+    cfg, t, layout, run_dir = run.cfg, run.cfg.train, run.layout, run.run_dir
+    rank, world, device = run.rank, run.world, run.device
+    nan_steps = faults.nan_loss_steps()
+    final: dict[str, Any] = {}
     for step in range(run.start_step, t.max_steps):
         t0 = time.perf_counter()
         record, step_loads = _step(run, step, nan_steps)
@@ -188,11 +203,11 @@ def _train(
             if last_saved != done and run.nonfinite_in_row == 0:
                 _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
                 last_saved = done
+            _wait_saves(run, metrics)
             metrics.close()
             raise TrainingError(_stopped_message(stop.name(signum), done, last_saved, run_dir))
-    metrics.close()
-    _finish(run, final, last_saved)
-    return final
+    _wait_saves(run, metrics)
+    return final, last_saved
 
 
 def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
@@ -336,15 +351,38 @@ def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yam
         "loss": record["loss"],
         "val_loss": record.get("val_loss"),
     }
+    asynchronous = run.cfg.train.async_save
     try:
         health.guarded_save(
-            lambda: run.checkpointer.save(done, state, config_yaml, run.tokenizer_file),
+            lambda: run.checkpointer.save(
+                done, state, config_yaml, run.tokenizer_file, asynchronous=asynchronous
+            ),
             run.run_dir,
             done,
         )
     except health.SaveError as e:
         metrics.close()  # the progress bar ends before the one-line error
         raise TrainingError(str(e)) from e
+
+
+def _wait_saves(run: _Run, metrics) -> None:
+    """The background save (train.async_save) is complete and `latest`, or its error raised."""
+    try:
+        run.checkpointer.wait()
+    except health.SaveError as e:
+        metrics.close()
+        raise TrainingError(str(e)) from e
+
+
+def _settle_saves(run: _Run) -> None:
+    """On the way out with an error: let a background save finish; its own failure is logged,
+    not raised over the error that is leaving."""
+    if run.checkpointer is None:
+        return
+    try:
+        run.checkpointer.wait()
+    except Exception as e:
+        logger.error("the background checkpoint save failed too: %s", e)
 
 
 def _stopped_message(sig: str, done: int, last_saved: int, run_dir: Path) -> str:
