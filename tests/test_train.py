@@ -70,10 +70,9 @@ def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
     assert len(got) == STEPS
     for a, b in zip(ref, got):
         assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
-        # the gradient norm is checked looser: at a spike step a token near a routing tie may
-        # pick another expert when expert-parallel grouped GEMMs round differently (seen: 1.5e-3
-        # at step 15 with EP 2), while the loss stays within 1e-6
-        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-2, (
+        # gradient norm within 1e-3 (worst measured 2026-11-30: 2.4e-4, ZeRO-2 EP 2 with two
+        # micro-batches per rank, step 19; a near-tie in routing can move it, the loss barely)
+        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-3, (
             a["step"],
             a["grad_norm"],
             b["grad_norm"],
