@@ -593,9 +593,6 @@ def plot_vs_experts(r: MoERuns, res: dict, out: Path) -> Path:
     ax.xaxis.set_minor_formatter(NullFormatter())
     if len(groups) <= 12:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    from llmtrain.scaling.plots import save_figure
+
+    return save_figure(fig, out)

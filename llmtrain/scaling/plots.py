@@ -102,6 +102,13 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
     for a in axes:  # decade labels only: minor labels on log axes overlap
         a.xaxis.set_minor_formatter(NullFormatter())
         a.yaxis.set_minor_formatter(NullFormatter())
+    return save_figure(fig, out)
+
+
+def save_figure(fig, out: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a Matplotlib figure; returns its path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
