@@ -550,5 +550,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def console() -> None:
+    """The `llmtrain` script: `main`, then, after a command that started DeepSpeed (`train`), leave
+    without C++ static destructors. Those of gloo / DeepSpeed threads occasionally abort a finished
+    process at exit ("terminate called without an active exception"), turning a good run into
+    SIGABRT. Everything a command writes is closed by the time `main` returns."""
+    rc = main()
+    if "deepspeed" in sys.modules:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # a reader closed the pipe: nothing to keep
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -99,8 +99,13 @@ def main() -> None:
             results[f"{dtype}-zero{zero}"] = run(dtype, zero, rank, world, out.parent)
     if rank == 0:
         out.write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
     main()
+    # Leave like the training CLI does: gloo / DeepSpeed C++ threads can abort a finished process
+    # at interpreter exit ("terminate called without an active exception", SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
