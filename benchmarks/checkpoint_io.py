@@ -131,7 +131,10 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args, args.overrides = ap.parse_known_args()
     if args.child:
-        return child(args)
+        child(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # like the trainer: skip C++ static destructors that can abort a done rank
 
     tmp = Path(tempfile.mkdtemp(prefix="llmtrain-ckio-"))
     layouts = [
