@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="lm-evaluation-harness tasks on a run, checkpoint or HF dir")
     ev.add_argument("model", help="a run directory, a checkpoint, or a Hugging Face directory")
     ev.add_argument("--tasks", nargs="+", default=["llmtrain_ppl", "llmtrain_mc"],
-                    help="task names; the shipped offline tasks are llmtrain_ppl, llmtrain_mc")  # fmt: skip
+                    help="task names; the shipped offline tasks are llmtrain_ppl, llmtrain_mc, "
+                         "llmtrain_gen")  # fmt: skip
     ev.add_argument("--include-path", action="append", default=[], help="your task YAML folder")
     ev.add_argument("--limit", type=int, default=None, help="documents per task")
     ev.add_argument("--batch-size", type=int, default=8)

@@ -16,7 +16,7 @@ from llmtrain.cli import main  # noqa: E402
 from llmtrain.config import load_config  # noqa: E402
 from llmtrain.data.corpus import stdlib_files  # noqa: E402
 from llmtrain.data.tokenizer import eos_id, train_bpe  # noqa: E402
-from llmtrain.eval import TASKS_DIR, EvalError, run_eval  # noqa: E402
+from llmtrain.eval import TASKS_DIR, EvalError, flat_metrics, run_eval  # noqa: E402
 from llmtrain.export import save_consolidated  # noqa: E402
 from llmtrain.model import build_model  # noqa: E402
 
@@ -81,21 +81,122 @@ def test_cli_eval_hf_dir_with_user_tasks(checkpoint, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nothing"), "--tasks", "llmtrain_mc"]) == 2
 
 
-def test_training_logs_periodic_evals(tmp_path):
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat and dog ran far away".split()
+def _eval_run(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
     src = tmp_path / "docs.jsonl"
-    src.write_text(
-        "".join(json.dumps({"text": " ".join(rng.choice(words, 80))}) + "\n" for _ in range(300))
-    )
-    run = tmp_path / "run"
-    p = run_train(run, 1, [f"data.sources=[{src}]", f"data.cache_dir={tmp_path / 'cache'}",
-                       "data.tokenizer_train_bytes=100000", "data.val_percent=10",
-                       "train.max_steps=4", "train.warmup_steps=1", "train.eval_every=2",
-                       "train.sample_tokens=0", "train.save_every=4",
-                       "train.eval_tasks=[llmtrain_mc]", "train.eval_tasks_limit=4"])  # fmt: skip
+    if not src.exists():
+        rng = np.random.default_rng(0)
+        words = "the cat sat on a mat and dog ran far away".split()
+        src.write_text(
+            "".join(
+                json.dumps({"text": " ".join(rng.choice(words, 80))}) + "\n" for _ in range(300)
+            )
+        )
+    run = tmp_path / name
+    p = run_train(run, nproc, [f"data.sources=[{src}]", f"data.cache_dir={tmp_path / 'cache'}",
+                           "data.tokenizer_train_bytes=100000", "data.val_percent=10",
+                           "train.max_steps=4", "train.warmup_steps=1", "train.eval_every=2",
+                           "train.sample_tokens=0", "train.save_every=4", *extra])  # fmt: skip
+    return metrics(run), p
+
+
+def test_training_logs_periodic_evals(tmp_path):
+    recs, p = _eval_run(tmp_path, "run", 1, "train.eval_tasks=[llmtrain_mc]",
+                        "train.eval_tasks_limit=4")  # fmt: skip
     assert "preparing data into" in p.stderr  # train prepares a missing cache, and says so
-    recs = metrics(run)
     with_eval = [r["step"] for r in recs if "eval/llmtrain_mc/acc" in r]
     assert with_eval == [2, 4]
     assert all("loss" in r for r in recs)  # eval scores join the step's record
+
+
+@pytest.mark.slow  # ~2 min: three training runs, two of them on two ranks
+def test_periodic_evals_on_sharded_ranks_match_one_rank_and_change_nothing(tmp_path):
+    """ZeRO-3 with experts split over 2 ranks (no rank holds the whole model) scores the tasks
+    as one rank does, and evaluating leaves training untouched: the same losses, bit for bit,
+    as the same run without evaluations (no RNG, router-bias or load-counter side effects)."""
+    tasks = ["train.eval_tasks=[llmtrain_ppl,llmtrain_mc,llmtrain_gen]", "train.eval_tasks_limit=5"]
+    sharded = ["parallel.zero_stage=3", "parallel.ep_size=2"]
+    one, _ = _eval_run(tmp_path, "one", 1, *tasks)
+    two, _ = _eval_run(tmp_path, "two", 2, *tasks, *sharded)
+    plain, _ = _eval_run(tmp_path, "plain", 2, *sharded)
+    key = "eval/llmtrain_ppl/word_perplexity"
+    assert [r["step"] for r in two if key in r] == [2, 4]
+    assert "eval/llmtrain_gen/exact_match" in two[-1]  # greedy generation ran on both ranks
+    for a, b in zip(one, two):
+        for k in (k for k in a if k.startswith("eval/")):
+            assert b[k] == pytest.approx(a[k], rel=1e-3), (a["step"], k)
+    assert [r["loss"] for r in two] == [r["loss"] for r in plain]
+    assert [r["val_loss"] for r in two if "val_loss" in r] == [
+        r["val_loss"] for r in plain if "val_loss" in r
+    ]
+
+
+def _instances(kind: str, args: list[tuple]) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def test_training_model_harness_matches_hflm_on_the_export(checkpoint, tmp_path):
+    """The harness on the training model (what periodic evaluation runs, nothing exported)
+    scores every request as the harness's own HFLM does on the exported model in stock
+    transformers: log-likelihoods, greediness, rolling windows, generation, and whole tasks."""
+    from lm_eval.models.huggingface import HFLM
+
+    from llmtrain.eval import evaluate_hf_dir
+    from llmtrain.eval.live import TrainingModelLM, evaluate_live
+    from llmtrain.export import export
+
+    ck, model, tok = checkpoint
+    hf = export(ck, tmp_path / "hf", dtype="fp32")
+    n = 32  # shorter than the texts: rolling needs several windows, contexts get truncated
+    ref = HFLM(pretrained=str(hf), device="cpu", dtype="float32", batch_size=4, max_length=n)
+    lm = TrainingModelLM(model.eval(), tok, eos_id(tok), max_length=n, batch_size=3)
+    assert lm.prefix_token_id == ref.prefix_token_id
+
+    docs = [json.loads(line) for line in (TASKS_DIR / "mc.jsonl").read_text().splitlines()]
+    gens = [(d["context"], {"until": ["\n"], "max_gen_toks": 12, "do_sample": False})
+            for d in docs[:4]]  # fmt: skip
+    got_text = lm.generate_until(_instances("generate_until", gens))
+    assert got_text == ref.generate_until(_instances("generate_until", gens))
+    assert any(got_text)
+
+    pairs = [(d["context"], c) for d in docs for c in d["choices"]]
+    pairs += [("", "def f(x):\n    return x"), (docs[4]["context"] * 3, " y")]  # empty, truncated
+    pairs += [(c, t) for (c, _), t in zip(gens, got_text) if t]  # the model's own greedy text
+    got = lm.loglikelihood(_instances("loglikelihood", pairs))
+    want = ref.loglikelihood(_instances("loglikelihood", pairs))
+    assert [g for _, g in got] == [g for _, g in want]
+    np.testing.assert_allclose([v for v, _ in got], [v for v, _ in want], rtol=1e-5, atol=1e-4)
+    assert any(g for _, g in got) and not all(g for _, g in got)  # both outcomes are exercised
+
+    texts = [
+        (json.loads(line)["text"],) for line in (TASKS_DIR / "ppl.jsonl").read_text().splitlines()
+    ]
+    assert max(len(tok.encode(t).ids) for (t,) in texts) > 2 * n
+    np.testing.assert_allclose(
+        lm.loglikelihood_rolling(_instances("loglikelihood_rolling", texts)),
+        ref.loglikelihood_rolling(_instances("loglikelihood_rolling", texts)),
+        rtol=1e-5,
+    )
+
+    tasks = ["llmtrain_ppl", "llmtrain_mc", "llmtrain_gen"]
+    ours = flat_metrics(evaluate_live(lm, tasks, limit=5))
+    theirs = flat_metrics(evaluate_hf_dir(hf, tasks, limit=5, max_length=n))
+    assert ours.keys() == theirs.keys() and ours
+    for k in ours:
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-5), k
+
+
+def test_unknown_periodic_task_fails_before_training(tmp_path, capsys):
+    """A task the harness cannot find is a one-line error at start, not at the first evaluation
+    hours in, and the run directory is not created."""
+    run = tmp_path / "run"
+    rc = main(["train", str(ROOT / "configs" / "debug.yaml"), "--run-dir", str(run),
+               "train.eval_tasks=[llmtrain_mc,no_such_task]"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.strip().splitlines() == [
+        "llmtrain train: error: unknown task(s) no_such_task; the shipped offline tasks are "
+        "llmtrain_ppl, llmtrain_mc and llmtrain_gen; add your own with --include-path DIR"
+    ]
+    assert not run.exists()

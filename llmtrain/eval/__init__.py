@@ -4,8 +4,10 @@ A run directory or one of our checkpoints is first exported (fp32 by default, ll
 to a temporary Hugging Face directory; a Hugging Face directory is used as is. The harness then
 loads it with `AutoModelForCausalLM` (its `hf` model), so the scores are what anyone loading the
 published model would get. Offline task fixtures ship in `llmtrain/eval/tasks/`:
-`llmtrain_ppl` (held-out perplexity on text, loglikelihood_rolling) and `llmtrain_mc` (multiple
-choice); more task folders come in through `include_path`.
+`llmtrain_ppl` (held-out perplexity on text, loglikelihood_rolling), `llmtrain_mc` (multiple
+choice) and `llmtrain_gen` (greedy completion, exact match); more task folders come in through
+`include_path`. Periodic evaluation during training runs the same tasks on the training model
+itself, on every rank (`llmtrain.eval.live`).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def task_manager(tasks: list[str], include_path: list[str] | None = None):
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise EvalError(
-            f"unknown task(s) {', '.join(unknown)}; the shipped offline tasks are llmtrain_ppl "
-            "and llmtrain_mc; add your own with --include-path DIR"
+            f"unknown task(s) {', '.join(unknown)}; the shipped offline tasks are llmtrain_ppl, "
+            "llmtrain_mc and llmtrain_gen; add your own with --include-path DIR"
         )
     return tm
 

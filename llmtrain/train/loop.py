@@ -29,7 +29,7 @@ from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import faults, health
 from llmtrain.train.checkpointing import Checkpointer
-from llmtrain.train.evals import periodic_evals
+from llmtrain.train.evals import check_eval_tasks, periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
 from llmtrain.train.signals import StopOnSignal
@@ -96,6 +96,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     layout = make_layout(cfg, world_env)
     health.check_overflow_guard(deepspeed_config(cfg, layout))
+    check_eval_tasks(cfg.train)  # a missing harness or task fails now, not at the first eval
     try:  # a lock left by a killed JIT build would make init_distributed wait forever
         ops.check_jit_locks()
     except ops.StaleLockError as e:
