@@ -152,11 +152,14 @@ def test_training_model_harness_matches_hflm_on_the_export(checkpoint, tmp_path)
     ref = HFLM(pretrained=str(hf), device="cpu", dtype="float32", batch_size=4, max_length=n)
     lm = TrainingModelLM(model.eval(), tok, eos_id(tok), max_length=n, batch_size=3)
     lm.ROWS = 5  # continuations longer than this are scored in several blocks
+    lm.PREFILL = 7  # contexts longer than this go through the cache in several forwards
     assert lm.prefix_token_id == ref.prefix_token_id
 
     docs = [json.loads(line) for line in (TASKS_DIR / "mc.jsonl").read_text().splitlines()]
     gens = [(d["context"], {"until": ["\n"], "max_gen_toks": 12, "do_sample": False})
             for d in docs[:4]]  # fmt: skip
+    gens += [(docs[4]["context"] * 3, {"until": "return", "max_new_tokens": 9}),  # truncated
+             (docs[5]["context"], {"do_sample": False, "temperature": 0.7, "max_gen_toks": 5})]  # fmt: skip
     got_text = lm.generate_until(_instances("generate_until", gens))
     assert got_text == ref.generate_until(_instances("generate_until", gens))
     assert any(got_text)
@@ -180,6 +183,13 @@ def test_training_model_harness_matches_hflm_on_the_export(checkpoint, tmp_path)
         rtol=1e-5,
     )
 
+    with pytest.raises(EvalError, match="continuation"):  # HFLM asserts; we say what is wrong
+        lm.loglikelihood(_instances("loglikelihood", [("a", docs[4]["context"] * 3)]))
+    with pytest.raises(EvalError, match="greedily"):
+        lm.generate_until(_instances("generate_until", [("a", {"do_sample": True})]))
+    with pytest.raises(EvalError, match="max_gen_toks"):
+        lm.generate_until(_instances("generate_until", [("a", {"max_gen_toks": n})]))
+
     tasks = ["llmtrain_ppl", "llmtrain_mc", "llmtrain_gen"]
     ours = flat_metrics(evaluate_live(lm, tasks, limit=5))
     theirs = flat_metrics(evaluate_hf_dir(hf, tasks, limit=5, max_length=n))
@@ -201,3 +211,25 @@ def test_unknown_periodic_task_fails_before_training(tmp_path, capsys):
         "llmtrain_ppl, llmtrain_mc and llmtrain_gen; add your own with --include-path DIR"
     ]
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "gen, needle",
+    [("do_sample: true\n  temperature: 0.8", "greedily"), ("max_gen_toks: 64", "max_gen_toks")],
+)
+def test_periodic_generation_task_checked_before_training(tmp_path, gen, needle):
+    """A generation task periodic evaluation cannot run (sampling, or more new tokens than
+    train.seq_len) is refused when the tasks are checked, before any step."""
+    from llmtrain.eval.live import check_tasks
+
+    mine = tmp_path / "tasks"
+    mine.mkdir()
+    shutil.copy(TASKS_DIR / "mc.jsonl", mine / "mc.jsonl")
+    shutil.copy(TASKS_DIR / "utils.py", mine / "utils.py")
+    text = (
+        (TASKS_DIR / "llmtrain_gen.yaml").read_text().replace("task: llmtrain_gen", "task: my_gen")
+    )
+    (mine / "my_gen.yaml").write_text(text.replace("max_gen_toks: 16\n  do_sample: false", gen))
+    check_tasks(["llmtrain_gen"], 64)  # the shipped task fits
+    with pytest.raises(EvalError, match=f"task my_gen: .*{needle}"):
+        check_tasks(["my_gen"], 64, [str(mine)])

@@ -146,6 +146,21 @@ def test_cached_decoding_equals_recompute(debug_cfg, q_lora):
     torch.testing.assert_close(inc, full, atol=1e-9, rtol=1e-9)
 
 
+def test_logits_at_and_chunked_prefill(debug_cfg):
+    """`logits_at` returns exactly the chosen rows of the full logits; a prompt fed through the
+    latent cache in chunks gives the logits of one full forward (what evaluation relies on)."""
+    model = build_model(debug_cfg.model, dtype=torch.float64, seed=3)
+    x = _ids(debug_cfg.model, b=2, t=11, seed=5)
+    rows = torch.tensor([0, 10, 11, 21, 15])
+    with torch.no_grad():
+        full = model(x).logits
+        got = model(x, logits_at=rows).logits
+        torch.testing.assert_close(got, full.reshape(-1, full.shape[-1])[rows], rtol=0, atol=1e-12)
+        cache = MLACache(debug_cfg.model.num_layers)
+        parts = [model(x[:, a : a + 4], cache=cache).logits for a in range(0, 11, 4)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-9, rtol=1e-9)
+
+
 def test_cache_holds_only_latent_and_rope_key(debug_cfg):
     cfg = debug_cfg.model
     model = build_model(cfg)

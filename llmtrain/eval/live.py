@@ -4,17 +4,22 @@ Why: exporting the whole model to rank 0 and loading it in transformers needs on
 hold all the weights (1.3 TB in fp32 at 671B) while the other ranks wait. Here the harness runs
 on every rank against the training model itself, as sharded as it trains (ZeRO-3 partitions,
 experts on their expert-parallel ranks). Every rank builds the same request list; the
-log-likelihood requests are split across ranks (each runs its share, padded with one-token
-forwards so that every rank joins the same number of forwards, hence the same collectives) and
-the scores are all-gathered. Greedy generation runs every request on every rank, with rank 0's
-token broadcast at each step so that every rank stops at the same point.
+log-likelihood requests are dealt round-robin over the ranks by length (each runs its share,
+padded with one-token forwards so that every rank joins the same number of forwards, hence the
+same collectives) and the scores are all-gathered. Greedy generation runs every request on every
+rank, with rank 0's token broadcast at each step so that every rank stops at the same point.
+Anything that would fail on one rank (a continuation longer than the context, a sampling task)
+is checked on the request list, which every rank holds, so every rank raises the same error.
 
 Scoring follows the harness's own `HFLM` for causal models: the same pair encoding (inherited
-from `TemplateLM`), prefix token (end-of-text), truncation of the left context to `max_length`,
-rolling windows and stop-sequence handling; `tests/test_eval.py` checks the scores against
-`HFLM` on the exported model.
+from `TemplateLM`), truncation of the left context to `max_length`, rolling windows, generation
+arguments and stop-sequence handling; `tests/test_eval.py` checks the scores against `HFLM` on
+the exported model. Documents are conditioned on the end-of-text token and encoded without
+special tokens, as training packs them; HFLM prefers a BOS token when the tokenizer has one.
+Logits are computed only at the positions scored (`logits_at`), and turned into fp32
+log-probabilities `ROWS` positions at a time.
 
-Shape legend: B batch, T tokens, V vocabulary.
+Shape legend: B batch, T tokens, N scored positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -28,9 +33,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 
+from llmtrain.eval import EvalError
 from llmtrain.model.attention import MLACache
 from llmtrain.parallel import comm
+
+DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 
 
 def _world() -> tuple[int, int]:
@@ -39,12 +52,33 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def generation_args(gen_kwargs: dict | None, max_length: int, eos_text: str) -> tuple:
+    """(until, max_gen_toks) as HFLM reads a request's generation_kwargs; EvalError for what
+    greedy decoding within `max_length` cannot do."""
+    kw = normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_MAX_GEN_TOKS)
+    if kw.get("do_sample"):
+        raise EvalError(
+            "periodic evaluation decodes greedily, but a task samples (do_sample: true or "
+            "temperature > 0); set do_sample: false in its generation_kwargs, or evaluate it "
+            "with llmtrain eval"
+        )
+    max_gen = int(kw["max_gen_toks"])
+    if max_gen >= max_length:
+        raise EvalError(
+            f"a task generates up to {max_gen} tokens but contexts are {max_length} tokens "
+            "(train.seq_len); lower its max_gen_toks or raise train.seq_len"
+        )
+    return handle_stop_sequences(kw.get("until"), eos=eos_text), max_gen
+
+
 class TrainingModelLM(TemplateLM):
     """The harness's model interface over our (possibly sharded) model and a `tokenizers`
-    tokenizer. `forward(x_BT) -> logits_BTV` defaults to `model(x).logits`; all ranks must
-    make the same calls (the harness is deterministic given the same tasks and limit)."""
+    tokenizer. `forward(x_BT, rows_N) -> logits_NV` defaults to `model(x, logits_at=rows)`;
+    all ranks must make the same calls (the harness is deterministic given the same tasks and
+    limit)."""
 
     ROWS = 1024  # positions turned into fp32 log-probabilities at once
+    PREFILL = 512  # context tokens per forward when generating (latent-cache scores are T x S)
 
     def __init__(self, model, tokenizer, eot_id: int, max_length: int, batch_size: int = 8,
                  device: torch.device | str = "cpu", forward=None):  # fmt: skip
@@ -55,7 +89,7 @@ class TrainingModelLM(TemplateLM):
         self._max_length = int(max_length)
         self.batch_size = max(1, int(batch_size))
         self._device = torch.device(device)
-        self._forward = forward or (lambda x_BT: model(x_BT).logits)
+        self._forward = forward or (lambda x_BT, rows_N: model(x_BT, logits_at=rows_N).logits)
         self.my_rank, self.n_ranks = _world()
 
     # ------------------------------------------------------------ the harness's interface
@@ -69,34 +103,43 @@ class TrainingModelLM(TemplateLM):
         return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
-        # HFLM encodes without special tokens for causal models (no BOS unless asked)
         return self.tok.encode(string, add_special_tokens=False).ids
 
-    def tok_decode(self, tokens: list[int]) -> str:
-        return self.tok.decode(tokens, skip_special_tokens=False)
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.my_rank != 0)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
         """[(logprob, is_greedy)] of each continuation given its context, in request order."""
         inputs = []
-        for _, ctx, cont in requests:
+        for _, ctx, cont in requests:  # every rank checks every request: errors are on all
+            if not ctx or not cont or len(cont) > self.max_length:
+                raise EvalError(
+                    f"a request has {len(ctx)} context and {len(cont)} continuation tokens; "
+                    f"both must be non-empty and the continuation at most {self.max_length} "
+                    "(train.seq_len)"
+                )
             whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
             inputs.append((whole[:-1], list(cont)))
-        # longest first, like HFLM's collator: any out-of-memory shows up on the first batch
+        # longest first, like HFLM's collator (memory trouble shows on the first batch), dealt
+        # round-robin so that every rank gets its share of the long ones
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i][0]))
+        mine = order[self.my_rank :: self.n_ranks]
         per = -(-len(order) // self.n_ranks)
-        mine = order[self.my_rank * per : (self.my_rank + 1) * per]
         got = torch.zeros(per, 2, dtype=torch.float64)
         for b in range(0, per, self.batch_size):
-            idx = mine[b : b + self.batch_size]
-            batch = [inputs[i] for i in idx] or [([self._eot], [])]  # a rank with nothing left
-            for j, res in enumerate(self._score(batch)):
-                if j < len(idx):
+            batch = [inputs[i] for i in mine[b : b + self.batch_size]]
+            for j, res in enumerate(self._score(batch or [([self._eot], [])])):
+                if j < len(batch):
                     got[b + j] = torch.tensor(res, dtype=torch.float64)
         if self.n_ranks > 1:
             got = torch.cat(comm.all_gather(got))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(inputs)
-        for k, i in enumerate(order):  # rank r's slot j holds order[r * per + j]
-            out[i] = (float(got[k, 0]), bool(got[k, 1] > 0.5))
+        for r in range(self.n_ranks):  # rank r's slot j holds order[r + j * n_ranks]
+            for j, i in enumerate(order[r :: self.n_ranks]):
+                out[i] = (float(got[r * per + j, 0]), bool(got[r * per + j, 1] > 0.5))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -121,72 +164,69 @@ class TrainingModelLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations cut at the first stop sequence (default: the end-of-text text)."""
+        """Greedy continuations cut at the first stop sequence, as HFLM's."""
+        eos_text = self.tok_decode([self._eot], skip_special_tokens=False)
         out = []
-        for ctx, kwargs in (r.args for r in requests):
-            kwargs = dict(kwargs or {})
-            if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
-                raise ValueError("periodic evaluation generates greedily; use do_sample: false")
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            eot_text = self.tok_decode([self._eot])
-            if eot_text not in until:
-                until.append(eot_text)
-            max_new = int(kwargs.get("max_gen_toks", 256))
-            ids = self.tok_encode(ctx)[-max(1, self.max_length - max_new) :]
-            text = self.tok_decode(self._greedy(ids, max_new, until))
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            out.append(text)
+        for ctx, gen_kwargs in (r.args for r in requests):
+            until, max_gen = generation_args(gen_kwargs, self.max_length, eos_text)
+            ids = self.tok_encode(ctx)[-(self.max_length - max_gen) :]
+            text = self.tok_decode(self._greedy(ids, max_gen, until))
+            out.append(postprocess_generated_text(text, until, None))
         return out
 
     # ------------------------------------------------------------ helpers
 
     @torch.no_grad()
     def _score(self, batch: list[tuple[list[int], list[int]]]) -> list[tuple[float, float]]:
-        """One right-padded forward; causal attention keeps padding out of the real positions."""
+        """One right-padded forward; causal attention keeps padding out of the real positions,
+        and logits are taken at the continuations' positions only."""
         longest = max(len(x) for x, _ in batch)
         x_BT = torch.full((len(batch), longest), self._eot, dtype=torch.long)
-        for j, (x, _) in enumerate(batch):
-            x_BT[j, : len(x)] = torch.tensor(x, dtype=torch.long)
-        logits_BTV = self._forward(x_BT.to(self._device))
-        res = []
+        rows, spans = [], []
         for j, (x, cont) in enumerate(batch):
-            if not cont:
-                res.append((0.0, 0.0))
-                continue
-            # only the continuation's rows, in fp32 a block at a time: [B, T, V] in fp32 (HFLM's
-            # way) is 17 GB at T = 4096, V = 129K, B = 8
-            start = len(x) - len(cont)
-            cont_T = torch.tensor(cont, dtype=torch.long, device=logits_BTV.device)
+            x_BT[j, : len(x)] = torch.tensor(x, dtype=torch.long)
+            first = j * longest + len(x) - len(cont)
+            spans.append((len(rows), len(rows) + len(cont)))
+            rows += range(first, first + len(cont))
+        rows_N = torch.tensor(rows, dtype=torch.long, device=self._device)
+        logits_NV = self._forward(x_BT.to(self._device), rows_N)
+        want_N = torch.tensor([t for _, cont in batch for t in cont], dtype=torch.long)
+        want_N = want_N.to(logits_NV.device)
+        res = []
+        for a0, a1 in spans:
             total, greedy = 0.0, True
-            for a in range(0, len(cont), self.ROWS):
-                b = min(a + self.ROWS, len(cont))  # rows past the continuation are padding
-                lp_TV = F.log_softmax(logits_BTV[j, start + a : start + b].float(), dim=-1)
-                want_T = cont_T[a:b]
-                total += float(lp_TV.gather(-1, want_T[:, None]).sum())
-                greedy = greedy and bool((lp_TV.argmax(-1) == want_T).all())
+            for a in range(a0, a1, self.ROWS):
+                b = min(a + self.ROWS, a1)
+                lp_NV = F.log_softmax(logits_NV[a:b].float(), dim=-1)
+                total += float(lp_NV.gather(-1, want_N[a:b, None]).sum())
+                greedy = greedy and bool((lp_NV.argmax(-1) == want_N[a:b]).all())
             res.append((total, float(greedy)))
         return res
 
     @torch.no_grad()
     def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy decoding against the latent cache; every rank takes rank 0's token."""
+        """Greedy decoding against the latent cache; every rank takes rank 0's token. The
+        context goes in PREFILL tokens at a time; each forward returns one row of logits."""
         cache = MLACache(self.model.cfg.num_layers)
-        feed = torch.tensor([ids], dtype=torch.long, device=self._device)
+        ids_T = torch.tensor(ids, dtype=torch.long, device=self._device)
+        for a in range(0, len(ids), self.PREFILL):
+            chunk = ids_T[a : a + self.PREFILL][None]
+            last = torch.tensor([chunk.shape[1] - 1], device=self._device)
+            logits_1V = self.model(chunk, cache=cache, logits_at=last).logits
         new: list[int] = []
         for _ in range(max_new):
-            nxt = self.model(feed, cache=cache).logits[:, -1].argmax(-1)
+            nxt = logits_1V.argmax(-1)
             if self.n_ranks > 1:
                 comm.broadcast(nxt, src=0)
             new.append(int(nxt))
-            if new[-1] == self._eot:
+            # HF's stop criterion: the decoded tail (special tokens kept) holds a stop sequence
+            if new[-1] == self._eot or any(
+                s in self.tok_decode(new, skip_special_tokens=False) for s in until if s
+            ):
                 break
-            text = self.tok_decode(new)
-            if any(s and s in text for s in until):
-                break
-            feed = nxt[:, None]
+            logits_1V = self.model(
+                nxt[:, None], cache=cache, logits_at=torch.zeros_like(nxt)
+            ).logits
         return new
 
 
@@ -218,13 +258,25 @@ def cached_task_manager(tasks: list[str], include_path: list[str] | None = None)
     return _TASK_MANAGERS[key]
 
 
+def check_tasks(tasks: list[str], max_length: int, include_path: list[str] | None = None) -> None:
+    """Load the tasks (their data included) and check what periodic evaluation can run:
+    before training, so that a bad task fails at once rather than at the first evaluation."""
+    tm = cached_task_manager(list(tasks), include_path)
+    with kept_rng_state():
+        loaded = tm.load(list(tasks))["tasks"]
+    for name, task in loaded.items():
+        if task.config.output_type == "generate_until":
+            try:
+                generation_args(task.config.generation_kwargs, max_length, "")
+            except EvalError as e:
+                raise EvalError(f"task {name}: {e}") from None
+
+
 def evaluate_live(lm: TrainingModelLM, tasks: list[str], limit: int | None = None,
                   include_path: list[str] | None = None) -> dict:  # fmt: skip
     """The harness's results dict for `lm`. Every rank calls it; rank 0 gets the whole dict,
     the others its "results" (the scores)."""
     import lm_eval
-
-    from llmtrain.eval import EvalError
 
     tm = cached_task_manager(list(tasks), include_path)
     with kept_rng_state():

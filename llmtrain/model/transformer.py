@@ -200,11 +200,14 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         check_inputs: bool = True,
         return_logits: bool | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] (next tokens, -100 ignored) adds the losses.
 
         With labels the head and cross-entropy run fused and chunked, and logits are not
-        materialised unless `return_logits=True`. `attention_mask`, if given, is a
+        materialised unless `return_logits=True`. `logits_at` (long [N], indices into the
+        flattened B·T positions) returns logits [N, V] of those positions only: scoring a
+        continuation or taking a next token needs a few rows, not [B, T, V]. `attention_mask`, if given, is a
         DocumentMask (packed documents; sparse kernels on CUDA) or a boolean [B, 1, T, S]
         "may attend" mask.
         """
@@ -229,7 +232,11 @@ class Transformer(nn.Module):
         h_BTD = self.model.norm(x_BTD)
         if return_logits is None:
             return_logits = labels is None
-        out = ModelOutput(logits=self.lm_head(h_BTD) if return_logits else None, hidden=x_BTD)
+        if logits_at is not None:
+            logits = self.lm_head(h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, logits_at))
+        else:
+            logits = self.lm_head(h_BTD) if return_logits else None
+        out = ModelOutput(logits=logits, hidden=x_BTD)
         if labels is None:
             return out
         out.lm_loss = self.lm_head(h_BTD, labels)

@@ -25,16 +25,16 @@ def due(t, done: int) -> bool:
 
 
 def check_eval_tasks(t) -> None:
-    """Before training starts: the harness is installed and every task resolves (EvalError, a
-    one-line user error, otherwise)."""
+    """Before training starts: the harness is installed, every task loads, and generation
+    tasks decode greedily within train.seq_len (EvalError, a one-line user error, otherwise)."""
     if not t.eval_tasks:
         return
     from llmtrain.eval import _require_lm_eval
 
     _require_lm_eval()
-    from llmtrain.eval.live import cached_task_manager
+    from llmtrain.eval.live import check_tasks
 
-    cached_task_manager(list(t.eval_tasks))
+    check_tasks(list(t.eval_tasks), t.seq_len)
 
 
 def periodic_evals(run, done: int) -> dict:
@@ -55,7 +55,7 @@ def periodic_evals(run, done: int) -> dict:
     engine = run.engine
     lm = TrainingModelLM(run.model, tok, eos_id(tok), max_length=t.seq_len,
                          batch_size=t.micro_batch_size, device=run.device,
-                         forward=lambda x_BT: engine(x_BT).logits)  # fmt: skip
+                         forward=lambda x_BT, rows_N: engine(x_BT, logits_at=rows_N).logits)  # fmt: skip
     engine.train(False)
     try:
         res = evaluate_live(lm, list(t.eval_tasks), limit=t.eval_tasks_limit or None)
