@@ -159,7 +159,8 @@ def test_training_model_harness_matches_hflm_on_the_export(checkpoint, tmp_path)
     gens = [(d["context"], {"until": ["\n"], "max_gen_toks": 12, "do_sample": False})
             for d in docs[:4]]  # fmt: skip
     gens += [(docs[4]["context"] * 3, {"until": "return", "max_new_tokens": 9}),  # truncated
-             (docs[5]["context"], {"do_sample": False, "temperature": 0.7, "max_gen_toks": 5})]  # fmt: skip
+             (docs[5]["context"], {"do_sample": False, "temperature": 0.7,
+                                   "max_gen_toks": 5})]  # fmt: skip
     got_text = lm.generate_until(_instances("generate_until", gens))
     assert got_text == ref.generate_until(_instances("generate_until", gens))
     assert any(got_text)

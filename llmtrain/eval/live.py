@@ -7,7 +7,8 @@ experts on their expert-parallel ranks). Every rank builds the same request list
 log-likelihood requests are dealt round-robin over the ranks by length (each runs its share,
 padded with one-token forwards so that every rank joins the same number of forwards, hence the
 same collectives) and the scores are all-gathered. Greedy generation runs every request on every
-rank, with rank 0's token broadcast at each step so that every rank stops at the same point.
+rank, in batches, with rank 0's tokens broadcast at each step so that every rank stops at the
+same point.
 Anything that would fail on one rank (a continuation longer than the context, a sampling task)
 is checked on the request list, which every rank holds, so every rank raises the same error.
 
@@ -40,7 +41,7 @@ from lm_eval.models.utils import (
 )
 
 from llmtrain.eval import EvalError
-from llmtrain.model.attention import MLACache
+from llmtrain.model.attention import MLACache, causal_mask
 from llmtrain.parallel import comm
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
@@ -164,14 +165,23 @@ class TrainingModelLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations cut at the first stop sequence, as HFLM's."""
+        """Greedy continuations cut at the first stop sequence, as HFLM's: requests with the
+        same generation arguments go in batches of `batch_size`, longest context first."""
         eos_text = self.tok_decode([self._eot], skip_special_tokens=False)
-        out = []
-        for ctx, gen_kwargs in (r.args for r in requests):
-            until, max_gen = generation_args(gen_kwargs, self.max_length, eos_text)
-            ids = self.tok_encode(ctx)[-(self.max_length - max_gen) :]
-            text = self.tok_decode(self._greedy(ids, max_gen, until))
-            out.append(postprocess_generated_text(text, until, None))
+        args = [r.args for r in requests]
+        groups: dict[str, list[int]] = {}
+        for i, (_, kw) in enumerate(args):
+            groups.setdefault(repr(sorted((kw or {}).items())), []).append(i)
+        out = [""] * len(args)
+        for idx in groups.values():
+            until, max_gen = generation_args(args[idx[0]][1], self.max_length, eos_text)
+            ctx = {i: self.tok_encode(args[i][0])[-(self.max_length - max_gen) :] for i in idx}
+            idx = sorted(idx, key=lambda i: -len(ctx[i]))
+            for b in range(0, len(idx), self.batch_size):
+                part = idx[b : b + self.batch_size]
+                for i, new in zip(part, self._greedy([ctx[i] for i in part], max_gen, until)):
+                    text = self.tok_decode(new)
+                    out[i] = postprocess_generated_text(text, until, None)
         return out
 
     # ------------------------------------------------------------ helpers
@@ -204,29 +214,52 @@ class TrainingModelLM(TemplateLM):
         return res
 
     @torch.no_grad()
-    def _greedy(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
-        """Greedy decoding against the latent cache; every rank takes rank 0's token. The
-        context goes in PREFILL tokens at a time; each forward returns one row of logits."""
+    def _greedy(self, ids: list[list[int]], max_new: int, until: list[str]) -> list[list[int]]:
+        """Greedy decoding of a batch against the latent cache; every rank takes rank 0's
+        tokens. Contexts are left-padded: padding is masked out of every other position's keys,
+        positions count real tokens only, and a padding query attends to itself (a row of
+        -inf would turn into NaN and reach the real tokens through the values). The contexts go
+        in PREFILL tokens at a time; each forward returns one row of logits per sequence."""
+        n, longest = len(ids), max(len(x) for x in ids)
+        dev = self._device
+        x_BL = torch.full((n, longest), self._eot, dtype=torch.long)
+        real_BL = torch.zeros(n, longest, dtype=torch.bool)
+        for j, x in enumerate(ids):
+            x_BL[j, longest - len(x) :] = torch.tensor(x, dtype=torch.long)
+            real_BL[j, longest - len(x) :] = True
+        x_BL, real_BL = x_BL.to(dev), real_BL.to(dev)
+        pos_BL = (real_BL.long().cumsum(-1) - 1).clamp(min=0)
         cache = MLACache(self.model.cfg.num_layers)
-        ids_T = torch.tensor(ids, dtype=torch.long, device=self._device)
-        for a in range(0, len(ids), self.PREFILL):
-            chunk = ids_T[a : a + self.PREFILL][None]
-            last = torch.tensor([chunk.shape[1] - 1], device=self._device)
-            logits_1V = self.model(chunk, cache=cache, logits_at=last).logits
-        new: list[int] = []
+        for a in range(0, longest, self.PREFILL):
+            b = min(a + self.PREFILL, longest)
+            mask_BTS = causal_mask(b - a, b, dev)[None] & real_BL[:, None, :b]
+            mask_BTS[:, torch.arange(b - a), torch.arange(a, b)] = True
+            last = (torch.arange(n, device=dev) + 1) * (b - a) - 1 if b == longest else None
+            logits_BV = self.model(x_BL[:, a:b], cache=cache, position_ids=pos_BL[:, a:b],
+                                   attention_mask=mask_BTS[:, None],
+                                   logits_at=last if last is not None else pos_BL.new_zeros(0),
+                                   ).logits  # fmt: skip
+        keys_BS, pos_B1 = real_BL, pos_BL[:, -1:]
+        new: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
         for _ in range(max_new):
-            nxt = logits_1V.argmax(-1)
+            nxt_B = logits_BV.argmax(-1)
             if self.n_ranks > 1:
-                comm.broadcast(nxt, src=0)
-            new.append(int(nxt))
-            # HF's stop criterion: the decoded tail (special tokens kept) holds a stop sequence
-            if new[-1] == self._eot or any(
-                s in self.tok_decode(new, skip_special_tokens=False) for s in until if s
-            ):
+                comm.broadcast(nxt_B, src=0)
+            for j, t in enumerate(nxt_B.tolist()):
+                if done[j]:
+                    continue
+                new[j].append(t)
+                # HF's stop criterion: the decoded tail (special tokens kept) holds a stop string
+                tail = self.tok_decode(new[j], skip_special_tokens=False)
+                done[j] = t == self._eot or any(s in tail for s in until if s)
+            if all(done):
                 break
-            logits_1V = self.model(
-                nxt[:, None], cache=cache, logits_at=torch.zeros_like(nxt)
-            ).logits
+            keys_BS = torch.cat([keys_BS, keys_BS.new_ones(n, 1)], dim=1)
+            pos_B1 = pos_B1 + 1
+            logits_BV = self.model(nxt_B[:, None], cache=cache, position_ids=pos_B1,
+                                   attention_mask=keys_BS[:, None, None, :],
+                                   logits_at=torch.arange(n, device=dev)).logits  # fmt: skip
         return new
 
 

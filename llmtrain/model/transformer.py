@@ -207,9 +207,9 @@ class Transformer(nn.Module):
         With labels the head and cross-entropy run fused and chunked, and logits are not
         materialised unless `return_logits=True`. `logits_at` (long [N], indices into the
         flattened B·T positions) returns logits [N, V] of those positions only: scoring a
-        continuation or taking a next token needs a few rows, not [B, T, V]. `attention_mask`, if given, is a
-        DocumentMask (packed documents; sparse kernels on CUDA) or a boolean [B, 1, T, S]
-        "may attend" mask.
+        continuation or taking a next token needs a few rows, not [B, T, V]. `attention_mask`,
+        if given, is a DocumentMask (packed documents; sparse kernels on CUDA) or a boolean
+        [B, 1, T, S] "may attend" mask.
         """
         if check_inputs:
             self._check_ids(input_ids)

@@ -53,9 +53,12 @@ def periodic_evals(run, done: int) -> dict:
 
     tok = Tokenizer.from_file(str(run.tokenizer_file))
     engine = run.engine
+
+    def forward(x_BT, rows_N):  # through the engine, as validation does
+        return engine(x_BT, logits_at=rows_N).logits
+
     lm = TrainingModelLM(run.model, tok, eos_id(tok), max_length=t.seq_len,
-                         batch_size=t.micro_batch_size, device=run.device,
-                         forward=lambda x_BT, rows_N: engine(x_BT, logits_at=rows_N).logits)  # fmt: skip
+                         batch_size=t.micro_batch_size, device=run.device, forward=forward)  # fmt: skip
     engine.train(False)
     try:
         res = evaluate_live(lm, list(t.eval_tasks), limit=t.eval_tasks_limit or None)
