@@ -184,7 +184,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from llmtrain.eval import format_results, run_eval
 
     res = run_eval(args.model, args.tasks, include_path=args.include_path, limit=args.limit,
-                   batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
+                   batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                   max_length=args.max_length)  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))
     print(json.dumps(res["results"], indent=2) if args.json else format_results(res))
@@ -426,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--max-length", type=int, default=None,
+                    help="context length in tokens (default: the model's maximum positions); "
+                         "the run's train.seq_len gives periodic evaluation's scores")  # fmt: skip
     ev.add_argument("--json", action="store_true", help="print the results as JSON")
     ev.add_argument("--out", help="also write the full results JSON here")
     ev.set_defaults(func=cmd_eval)

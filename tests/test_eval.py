@@ -99,13 +99,23 @@ def _eval_run(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
     return metrics(run), p
 
 
-def test_training_logs_periodic_evals(tmp_path):
-    recs, p = _eval_run(tmp_path, "run", 1, "train.eval_tasks=[llmtrain_mc]",
+def test_training_logs_periodic_evals(tmp_path, capsys):
+    recs, p = _eval_run(tmp_path, "run", 1, "train.eval_tasks=[llmtrain_ppl,llmtrain_mc]",
                         "train.eval_tasks_limit=4")  # fmt: skip
     assert "preparing data into" in p.stderr  # train prepares a missing cache, and says so
     with_eval = [r["step"] for r in recs if "eval/llmtrain_mc/acc" in r]
     assert with_eval == [2, 4]
     assert all("loss" in r for r in recs)  # eval scores join the step's record
+    # the last periodic scores are `llmtrain eval` of the step-4 checkpoint at train.seq_len,
+    # through the export and stock transformers
+    seq_len = load_config(tmp_path / "run" / "config.yaml").train.seq_len
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "llmtrain_ppl", "llmtrain_mc",
+                 "--limit", "4", "--max-length", str(seq_len), "--json"]) == 0  # fmt: skip
+    offline = flat_metrics({"results": json.loads(capsys.readouterr().out)})
+    assert offline.keys() == {k for k in recs[-1] if k.startswith("eval/")}
+    for k, v in offline.items():
+        assert recs[-1][k] == pytest.approx(v, rel=1e-5), k
 
 
 @pytest.mark.slow  # ~2 min: three training runs, two of them on two ranks

@@ -98,6 +98,8 @@ def run_eval(
 ) -> dict:
     """`llmtrain eval`: a run dir, checkpoint or HF dir -> harness results."""
     _require_lm_eval()
+    if max_length is not None and max_length < 2:
+        raise EvalError(f"--max-length {max_length}: give at least 2 tokens")
     path = Path(model)
     if not path.exists():
         raise EvalError(f"{path} does not exist; give a run directory, checkpoint or HF directory")
