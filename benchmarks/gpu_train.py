@@ -1,7 +1,7 @@
 """One GPU: tokens/s, MFU and peak memory of `llmtrain train` in bf16.
 
     python benchmarks/gpu_train.py [--config configs/moe_100m.yaml] [--steps 30] [--name N]
-                                   [--timeout 240] [--out FILE.json] [a.b=c ...]
+                                   [--compile] [--timeout 240] [--out FILE.json] [a.b=c ...]
 
 Runs the real trainer (DeepSpeed engine, ZeRO-1, fused AdamW) for `--steps` optimizer steps of
 32 x 2048 tokens on the built-in corpus, drops the first `--warmup` steps (compilation,
@@ -9,6 +9,10 @@ allocator growth) and reports medians over the rest. MFU is against the GPU's de
 (llmtrain.train.metrics: 989 TFLOP/s for H100/H200) with the trainer's FLOPs per token (6 x
 active matmul parameters + attention). Writes JSON to --out, else $OUT/gpu_train_<name>.json
 when $OUT is set, else benchmarks/results/. Needs CUDA; exits 2 without it.
+
+--compile runs with train.compile=true (torch.compile of each block; the compilation falls in the
+warm-up steps). Should that run fail before its first step, the benchmark reruns eager in the
+time left, so a figure still comes back, and records why in "compile_error".
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,37 +47,36 @@ def main() -> None:
     ap.add_argument("--name", default="")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for the training run")
     ap.add_argument("--out", default="")
+    ap.add_argument("--compile", action="store_true", help="train.compile=true")
+    ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu:
         print("benchmarks/gpu_train.py needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     name = args.name or Path(args.config).stem
     out = Path(args.out) if args.out else _default_out(name)
-    run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
-    over = [f"train.max_steps={args.steps}", "train.warmup_steps=5", "train.eval_every=100000",
+    over = ["train.warmup_steps=5", "train.eval_every=100000",
             "train.save_every=100000", "train.sample_tokens=0", "train.global_batch_size=32",
             "train.micro_batch_size=8", "train.seq_len=2048", "train.log_every=1",
             "train.dtype=bf16", "model.attn_backend=auto", *args.overrides]  # fmt: skip
-    cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    res: dict = {"name": name, "config": str(Path(args.config).name), "compile": args.compile}
     t0 = time.perf_counter()
-    res: dict = {"name": name, "config": str(Path(args.config).name), "overrides": over}
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout)
-        res["returncode"] = p.returncode
-    except subprocess.TimeoutExpired:
-        res["returncode"] = "timeout"
+    rows, returncode, tail = _train(args, over, args.compile, args.timeout)
+    left = args.timeout - (time.perf_counter() - t0)
+    if args.compile and not rows and left > 30:
+        res["compile_error"] = tail
+        print("the compiled run failed before its first step; rerunning eager", flush=True)
+        rows, returncode, _ = _train(args, over, False, left)
+        res["compile"] = False
+    res["overrides"] = [f"train.max_steps={args.steps}", *over]
+    res["returncode"] = returncode
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    mfile = run / "metrics.jsonl"
-    rows = [json.loads(l) for l in mfile.read_text().splitlines() if l] if mfile.exists() else []
-    rows = [r for r in rows if "tokens_per_s" in r]
     steady = rows[args.warmup :] or rows[-1:]
     res.update(
-        gpu=torch.cuda.get_device_name(0),
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (--cpu)",
         torch=torch.__version__,
         flash_attn=__import__("importlib").util.find_spec("flash_attn") is not None,
         steps_logged=len(rows),
@@ -86,11 +90,34 @@ def main() -> None:
             loss_first_last=[rows[0].get("loss"), rows[-1].get("loss")],
         )
     for k, v in res.items():
-        if k != "overrides":
+        if k not in ("overrides", "compile_error"):
             print(f"{k:>16}: {v}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     sys.exit(0 if res["returncode"] == 0 and steady else 1)
+
+
+def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, object, str]:
+    """One `llmtrain train` run; returns (step records, return code or "timeout", log tail)."""
+    run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
+    over = [f"train.max_steps={args.steps}", *over, f"train.compile={str(compile).lower()}"]
+    cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    log = run.parent / "train.log"
+    try:
+        with log.open("w") as f:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=max(timeout, 1), stdout=f,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+        returncode: object = p.returncode
+    except subprocess.TimeoutExpired:
+        returncode = "timeout"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    print(text[-6000:], flush=True)  # the training log's end, into the check's log
+    mfile = run / "metrics.jsonl"
+    rows = [json.loads(l) for l in mfile.read_text().splitlines() if l] if mfile.exists() else []
+    shutil.rmtree(run.parent, ignore_errors=True)
+    return [r for r in rows if "tokens_per_s" in r], returncode, text[-3000:]
 
 
 if __name__ == "__main__":

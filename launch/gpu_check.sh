@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
-# (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_100m.yaml and
-# configs/moe_1b.yaml, and a kernel profile of the 1B model's step. Every step has a timeout and
+# (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
+# configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), and
+# a kernel profile of the compiled 1B model's step. Every step has a timeout and
 # the whole run a budget; a summary table is printed at the end and everything is written under
 # $OUT (default ./gpu_check_out).
 #
@@ -13,11 +14,13 @@
 # Set-up installs .whl/*.whl (carried with the repo) into /tmp/llmtrain-site, else tries pip
 # (for machines that reach a registry). flash-attn is optional: its tests skip without it.
 # Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
-# --prepare-wheels here; files come back from $OUT (6 files).
+# --prepare-wheels here; files come back from $OUT (7 files).
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_100m tests_gpu
-# profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and prepare_data).
+# bench_moe_1b_eager profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and
+# prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
+# few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -48,6 +51,17 @@ STEPS=${BENCH_STEPS:-30}
 T0=$(date +%s)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LLMTRAIN_CACHE=${LLMTRAIN_CACHE:-/tmp/llmtrain-cache} DS_ACCELERATOR=cuda
+SMOKE=${GPU_CHECK_CPU_SMOKE:-0}
+export SMOKE
+# what the benchmarks run: the real configs, or (CPU smoke) the debug one for a few short steps
+CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
+export CFG_1B
+if [[ $SMOKE == 1 ]]; then
+  export DS_ACCELERATOR=cpu
+  CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3
+  SMALL=(--cpu --warmup 1 train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
+  PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
+fi
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/llmtrain-inductor}
 NAMES=() RCS=() SECS=()
 
@@ -87,7 +101,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
 EOF
-  [[ $? -eq 0 ]] || return 1
+  [[ $? -eq 0 || $SMOKE == 1 ]] || return 1
   if ! $PY -c "import deepspeed" 2>/dev/null; then
     if ls .whl/*.whl >/dev/null 2>&1; then
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -107,39 +121,37 @@ EOF
 }
 
 prepare() {  # tokenize the built-in corpus once for the tests (debug) and benchmarks (32k vocab)
-  $PY - <<'EOF'
-import time
-from llmtrain.config import load_config
-from llmtrain.data.prepare import prepare_data
-# the data section is part of the cache key: debug as tests/gpu run it, the 32k one as the benchmarks
-for path, over in (("configs/debug.yaml", ["data.doc_mask=true"]), ("configs/moe_1b.yaml", [])):
-    t = time.time()
-    c = load_config(path, over)
-    print(path, prepare_data(c.data, c.model.vocab_size), f"{time.time() - t:.0f}s", flush=True)
-EOF
+  # through the CLI, not `python - <<EOF`: the tokenizer's worker processes are spawned, and a
+  # spawned child re-imports its parent's main script, which stdin is not (they die; it hangs)
+  # the data section is part of the cache key: debug as tests/gpu run it, the benchmarks' config
+  $PY -m llmtrain.cli data prepare configs/debug.yaml data.doc_mask=true || return 1
+  $PY -m llmtrain.cli data prepare "$CFG_1B"
 }
 
 if [[ -d /tmp/llmtrain-site ]] || ! $PY -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/llmtrain-site  # after the image's own packages
 fi
-# Order: the MFU figures first, then correctness (-v: each result is logged as it finishes, should
-# the step run out of time), then the profile.
+# Order: the MFU figures first (compiled: should compilation fail, gpu_train.py reruns eager and
+# says so), then correctness (-v: each result is logged as it finishes, should the step run out
+# of time), then the eager comparison and the profile.
 step setup 120 setup
 step prepare_data 120 prepare
-step bench_moe_1b 130 $PY benchmarks/gpu_train.py --config configs/moe_1b.yaml \
-  --steps "$STEPS" --name moe_1b --timeout 120 --out "$OUT/gpu_train_moe_1b.json"
-step bench_moe_100m 90 $PY benchmarks/gpu_train.py --config configs/moe_100m.yaml \
-  --steps "$STEPS" --name moe_100m --timeout 80 --out "$OUT/gpu_train_moe_100m.json"
+step bench_moe_1b 170 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
+  --steps "$STEPS" --name moe_1b --timeout 160 --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
+step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
+  --steps "$STEPS" --name moe_100m --timeout 100 --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
 step tests_gpu 270 $PY -m pytest tests/gpu -v -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-step profile_moe_1b 60 $PY benchmarks/gpu_profile.py --config configs/moe_1b.yaml \
-  --out "$OUT/gpu_profile_moe_1b.txt"
+step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps 20 --warmup 5 \
+  --name moe_1b_eager --timeout 90 --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
+step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
+  --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 
 echo
 echo "================ gpu_check summary ($(($(date +%s) - T0))s of ${BUDGET}s budget) ================"
-printf "%-16s %-8s %6s\n" step rc seconds
+printf "%-20s %-8s %6s\n" step rc seconds
 fail=0
 for i in "${!NAMES[@]}"; do
-  printf "%-16s %-8s %6s\n" "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
+  printf "%-20s %-8s %6s\n" "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
   [[ "${RCS[$i]}" == "0" || "${RCS[$i]}" == "skip" ]] || fail=1
 done
 $PY - "$OUT" <<'EOF' || true
@@ -161,12 +173,14 @@ for f in sorted(out.glob("gpu_train_*.json")):
     r = json.loads(f.read_text())
     rows.append(r)
 if rows:
-    print(f"\n{'config':<10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'rc':>7}")
+    print(f"\n{'run':<14} {'compile':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'rc':>7}")
     for r in rows:
         tok, tf, mfu, mem = (r.get(k) for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib"))
         fmt = lambda v, s: s.format(v) if isinstance(v, (int, float)) else "-"
-        print(f"{r['name']:<10} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
+        print(f"{r['name']:<14} {str(r.get('compile')):>7} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
               f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}")
+        if r.get("compile_error"):
+            print(f"  compile failed, ran eager: {r['compile_error'].strip().splitlines()[-1][:120]}")
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
 EOF
 echo "log: $LOG"

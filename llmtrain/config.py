@@ -257,6 +257,7 @@ class TrainConfig:
     async_save: bool = False  # copy the state, write it in the background while training goes on
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder block (llmtrain.train.compile); ZeRO 1-2
     offload_optimizer: bool = False
     peak_flops: float = 0.0  # per device, for MFU; 0 measures a matmul ceiling at start
     tensorboard: bool = True
@@ -355,6 +356,12 @@ class Config:
             )
         if self.parallel.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend={self.parallel.backend!r}: use auto, nccl or gloo")
+        if self.train.compile and self.parallel.zero_stage == 3:
+            raise ConfigError(
+                "train.compile=true with parallel.zero_stage=3: ZeRO-3 gathers each weight in "
+                "module hooks that compiled code cannot run, so every block would break into "
+                "eager pieces; use parallel.zero_stage=1 or 2 with compile, or train.compile=false"
+            )
         if self.model.n_routed_experts % self.parallel.ep_size:
             raise ConfigError(
                 f"parallel.ep_size={self.parallel.ep_size} must divide model.n_routed_experts="

@@ -73,6 +73,8 @@ def test_unknown_rope_type_and_cross_section_checks():
         load_config(None, ["train.seq_len=100000"])
     with pytest.raises(ConfigError, match="ep_size"):
         load_config(None, ["parallel.ep_size=3"])
+    with pytest.raises(ConfigError, match="train.compile=true with parallel.zero_stage=3"):
+        load_config(None, ["parallel.zero_stage=3", "train.compile=true"])
 
 
 def test_bad_config_fails_before_any_allocation():

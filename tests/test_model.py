@@ -335,3 +335,38 @@ def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layou
         assert all(int(n.split(".experts.")[1].split(".")[0]) >= el for n in expert_reads)
     else:
         assert all(kind == "slice" for kind, n in reads if ".experts." in n)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_one_rank_training_step_needs_no_host_sync(debug_cfg, impl):
+    """Forward and backward of a bf16 training step (MoE, aux losses, MTP) use no op whose result
+    depends on tensor values on the host: under FakeTensorMode (shapes only, no data) every such
+    op (.item(), nonzero, bincount, masks as indices, ...) raises. On CUDA each would stall the
+    stream once per layer. The per-expert loop is the fallback and must read the counts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    over = dict(mtp_depth=1, aux_loss_alpha=1e-3, router_z_loss_coef=1e-3, moe_impl=impl)
+    cfg = dataclasses.replace(debug_cfg.model, **over)
+    model = build_model(cfg, dtype=torch.bfloat16).train()  # grouped GEMM's kernel is bf16
+    params = dict(model.named_parameters())
+    real = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    real.update((k, v.detach()) for k, v in model.named_buffers())
+    ids = _ids(cfg)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in real.items()}
+        for k in params:
+            fake[k].requires_grad_(True)
+        x = mode.from_tensor(ids)
+        step = (
+            lambda: functional_call(  # noqa: E731
+                model, fake, (x[:, :-1],), dict(labels=x[:, 1:], check_inputs=False)
+            )
+        )
+        if impl == "loop":
+            with pytest.raises(Exception, match="data-dependent|_local_scalar_dense|Dynamic"):
+                step()
+            return
+        loss = step().loss
+        grads = torch.autograd.grad(loss, [fake[k] for k in params])
+    assert loss.shape == () and len(grads) == len(params)

@@ -40,6 +40,8 @@ _logged: set[str] = set()
 
 
 def _log_choice(name: str, why: str) -> None:
+    if torch.compiler.is_compiling():  # a log call would split the compiled graph in two
+        return
     if name not in _logged:
         _logged.add(name)
         logger.info("attention backend: %s (%s)", name, why)

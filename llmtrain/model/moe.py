@@ -66,9 +66,14 @@ class Router(nn.Module):
 
     def set_fp32_weight(self, w_ED: torch.Tensor | None) -> None:
         """Route with these fp32 values (the optimizer's master weight) while `weight` is not fp32."""
-        self.fp32_weight = (
-            None if w_ED is None else w_ED.detach().to(self.weight.device, torch.float32)
-        )
+        if w_ED is None:
+            self.fp32_weight = None
+            return
+        w_ED = w_ED.detach().to(self.weight.device, torch.float32)
+        if self.fp32_weight is not None and self.fp32_weight.shape == w_ED.shape:
+            self.fp32_weight.copy_(w_ED)  # in place: compiled code sees the same tensor each step
+        else:
+            self.fp32_weight = w_ED.clone()
 
     def routing_weight(self) -> torch.Tensor:
         """The weight in fp32: the master copy when one was set, with the parameter's gradient."""
@@ -109,12 +114,17 @@ class Router(nn.Module):
 
 
 def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped GEMM needs 16-byte aligned strides; otherwise fall back to the loop."""
+    """torch's grouped GEMM needs 16-byte aligned strides; otherwise fall back to the loop.
+
+    Its fast CUDA kernel (and the only one torch.compile can trace) is bf16; other dtypes run
+    eagerly (CPU kernels; on CUDA a fallback that reads the offsets on the host)."""
     if not hasattr(F, "grouped_mm") or x.dtype not in (
         torch.float32,
         torch.bfloat16,
         torch.float16,
     ):
+        return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         return False
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and x.dtype == w.dtype
@@ -211,7 +221,10 @@ class MoE(nn.Module):
         idx_M = idx_TK.reshape(-1)
         order_M = torch.argsort(idx_M, stable=True)
         token_M = order_M // k
-        counts_E = torch.bincount(idx_M, minlength=cfg.n_routed_experts)
+        # not bincount: on CUDA it reads the largest index back to size its output (a host sync)
+        counts_E = idx_M.new_zeros(cfg.n_routed_experts).index_add_(
+            0, idx_M, torch.ones_like(idx_M)
+        )
         overlap = self.shared_experts is not None and self.overlap_shared(x_TD)
         if overlap:  # shared experts on a side stream while the routed rows are all-to-all'd
             main, side = torch.cuda.current_stream(x_TD.device), _side_stream(x_TD.device)

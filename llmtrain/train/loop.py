@@ -248,6 +248,10 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
         # only this rank's experts are read; weights gathered one at a time under ZeRO-3
         load_hf_into(model, Path(init_from), cfg.model, gather=hooks.get("gather"))
     model.gradient_checkpointing = t.activation_checkpointing
+    if t.compile:
+        from llmtrain.train.compile import compile_blocks
+
+        compile_blocks(model, expert_parallel=run.layout.ep_size > 1)
     run.model, run.engine = model, Engine(model, cfg, run.layout)
     run.grad_fault = faults.GradFault(model, run.rank)  # LLMTRAIN_FAULT_GRAD_STEPS (tests)
     run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
@@ -275,12 +279,13 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     micro = batches_for_step(
         run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
     )
-    lm_sum = torch.zeros((), dtype=torch.float64)
-    aux_sum = torch.zeros((), dtype=torch.float64)
+    # Sums stay on the device and inputs are copied without waiting: nothing in the micro-batch
+    # loop makes the host wait for the GPU, so it prepares the next micro-batch meanwhile.
+    stats = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, aux loss
     engine.set_lr(lr)
     for mb in micro:
         x, y = run.train_ds.batch(mb)
-        x, y = x.to(device), y.to(device)
+        x, y = _to_device(x, device), _to_device(y, device)
         mask = DocumentMask.from_eos(x, run.train_ds.eos_id) if cfg.data.doc_mask else None
         out = engine(
             x, labels=y, attention_mask=mask, check_inputs=False
@@ -290,9 +295,8 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
         engine.backward(loss)
         engine.step()
-        lm_sum += out.lm_loss.detach().double().cpu() * (float("nan") if step in nan_steps else 1.0)
-        aux_sum += out.aux_loss.detach().double().cpu()
-    stats = torch.stack([lm_sum, aux_sum]).to(device)
+        lm = out.lm_loss.detach().double() * (float("nan") if step in nan_steps else 1.0)
+        stats += torch.stack([lm, out.aux_loss.detach().double()])
     comm.all_reduce(stats)
     gnorm = engine.grad_norm()
     bad = not health.step_ok(float(stats[0]), gnorm)  # also DeepSpeed's -1 / None norms
@@ -334,6 +338,14 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         "skipped_total": run.skipped_total,
     }
     return record, step_loads
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → GPU from pinned memory without blocking the host (a plain copy from pageable
+    memory waits for the GPU to finish everything queued before it)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yaml: str,
@@ -405,6 +417,12 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
             print(f"\n--- sample after {t.max_steps} steps ---\n{final['sample']}\n---")
             (run.run_dir / "sample.txt").write_text(final["sample"])
     final["last_checkpoint"] = last_saved
+    if t.compile:
+        from llmtrain.train.compile import compile_stats
+
+        final["compile"] = compile_stats()
+        if rank == 0:
+            logger.info("torch.compile on rank 0: %s", final["compile"])
     if rank == 0 and "val_loss" in final:
         h = run.train_ds.unigram_entropy()
         final["unigram_entropy"] = h

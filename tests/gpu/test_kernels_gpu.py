@@ -1,5 +1,6 @@
 """MoE and loss pieces that take CUDA-only paths: the shared experts on a side stream, grouped
-GEMM in bf16, and the fused cross-entropy with GPU-sized chunks and a bf16 weight gradient."""
+GEMM in bf16, the fused cross-entropy with GPU-sized chunks and a bf16 weight gradient, and a
+training step on one GPU that never waits for the host."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from llmtrain.config import load_config
+from llmtrain.model import build_model
 from llmtrain.model.loss import LMHead, _chunk_rows
 from llmtrain.model.moe import MoE
 
@@ -58,3 +61,27 @@ def test_fused_ce_bf16_gpu_chunks_match_reference():
     for a, b in ((gh, rh), (gw, rw)):
         err = (a.float() - b).abs().max() / b.abs().max()
         assert err < 2e-2, float(err)
+
+
+def test_one_gpu_training_step_never_syncs_the_host():
+    """A bf16 forward + backward of moe_1b's layer shapes (2 layers, MTP, aux losses) raises on
+    any synchronising CUDA call: dispatch, grouped GEMM, attention and the fused CE stay on the
+    device (tests/test_model.py checks the same with FakeTensorMode on CPU)."""
+    over = ["model.num_layers=2", "model.mtp_depth=1", "model.router_z_loss_coef=1e-3"]
+    cfg = load_config("configs/moe_1b.yaml", over).model
+    model = build_model(cfg, device=DEV, dtype=torch.bfloat16).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 1025), device=DEV)
+
+    def step():
+        out = model(ids[:, :-1], labels=ids[:, 1:], check_inputs=False)
+        out.loss.backward()
+        return out.loss.detach()
+
+    step()  # warm-up: cuBLAS handles, workspaces, lazy kernel loading
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()

@@ -1,0 +1,84 @@
+"""Regional torch.compile (`train.compile=true`): each decoder block compiled on its own.
+
+Why regional: blocks are identical code, so the first block's graph serves every layer (compile
+time is one block's, not the model's), and a graph break stays inside one block. Inductor fuses
+what eager runs as separate memory-bound kernels: RMSNorm, RoPE, SiLU·up, the router's
+sigmoid/top-k bookkeeping, residual adds.
+
+What stays eager, and why:
+- With expert parallelism the MoE layer exchanges rows with a host-sized all-to-all, so there the
+  pieces around it are compiled instead: attention, the norms, the router, the shared experts and
+  the expert GEMMs (whose row count changes every step: compiled with dynamic shapes).
+- The embedding, the fused LM head + cross-entropy (large GEMMs in chunks) and the MTP glue.
+- ZeRO-3 is refused (see `Config.validate`): it gathers weights in module hooks that compiled
+  code cannot run, which would break every block into pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from llmtrain.model.attention import MLACache
+from llmtrain.model.moe import MoE
+from llmtrain.model.transformer import DecoderLayer
+
+logger = logging.getLogger(__name__)
+
+
+def compile_for_training(mod: nn.Module, dynamic: bool | None = None) -> None:
+    """Replace `mod.forward` by a compiled one that runs in training mode only.
+
+    Evaluation and generation (eval mode, a KV cache, batch shapes that change per request)
+    keep the eager forward: compiled, each new shape would recompile until torch gives up.
+    Module hooks (the training engine's) stay outside the compiled region."""
+    eager = mod.forward
+    compiled = torch.compile(eager, dynamic=dynamic)
+
+    def forward(*args, **kwargs):
+        cached = any(isinstance(a, MLACache) for a in (*args, *kwargs.values()))
+        if mod.training and torch.is_grad_enabled() and not cached:
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    mod.forward = forward
+
+
+def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
+    """Compile `model`'s decoder blocks (MTP blocks included) in place for training; returns
+    what was compiled, by module name. Call before the training engine wraps the model."""
+    done = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        if isinstance(layer.mlp, MoE) and expert_parallel:
+            moe = layer.mlp
+            parts = {"self_attn": layer.self_attn, "input_layernorm": layer.input_layernorm,
+                     "post_attention_layernorm": layer.post_attention_layernorm,
+                     "mlp.gate": moe.gate, "mlp.shared_experts": moe.shared_experts}  # fmt: skip
+            for part, mod in parts.items():
+                if mod is not None:
+                    compile_for_training(mod)
+                    done.append(f"{name}.{part}")
+            compile_for_training(moe.experts, dynamic=True)  # rows received differ every step
+            done.append(f"{name}.mlp.experts")
+        else:
+            compile_for_training(layer)
+            done.append(name)
+    if done:
+        logger.info("torch.compile: %d regions (%s ... %s)", len(done), done[0], done[-1])
+    return done
+
+
+def compile_stats() -> dict[str, int]:
+    """What torch.compile did in this process: graphs made, frames compiled (a recompile counts
+    again) and graph breaks (each one splits a block and costs speed: should be 0 on one rank)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "frames_compiled": int(counters["frames"]["ok"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }

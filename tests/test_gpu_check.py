@@ -1,0 +1,44 @@
+"""launch/gpu_check.sh runs where a GPU is lent for minutes, rarely: its plumbing is checked here.
+
+GPU_CHECK_CPU_SMOKE=1 runs every step on CPU with the debug config (set-up, data preparation,
+the three benchmark runs, tests/gpu collected and skipped, the profile) and must leave the same
+files and summary a GPU run leaves. Found this way: the data step hung, because a script read
+from stdin cannot spawn worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .train_utils import ROOT
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
+               LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="400",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # fmt: skip
+    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=450)  # fmt: skip
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-4000:]
+    names = sorted(f.name for f in out.iterdir())
+    assert names == ["gpu_check.log", "gpu_profile_moe_1b.txt", "gpu_train_moe_100m.json",
+                     "gpu_train_moe_1b.json", "gpu_train_moe_1b_eager.json", "summary.json",
+                     "tests_gpu.xml"], names  # fmt: skip
+    rows = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in rows] == ["moe_100m", "moe_1b", "moe_1b_eager"]
+    for r in rows:
+        assert r["returncode"] == 0 and r["steps_logged"] >= 3, r
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, r
+    summary = log[log.index("gpu_check summary") :]
+    for step in ("setup", "prepare_data", "bench_moe_1b", "tests_gpu", "profile_moe_1b"):
+        assert f"\n{step} " in summary and "timeout" not in summary, summary
+    assert "test_one_gpu_training_step_never_syncs_the_host" in summary  # tests/gpu collected
+    assert "fwd+bwd" in (out / "gpu_profile_moe_1b.txt").read_text()
