@@ -45,7 +45,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8, help="leading steps left out of the medians")
     ap.add_argument("--name", default="")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds for the training run")
+    limit = float(os.environ.get("STEP_LIMIT", 0)) - 10  # launch/gpu_check.sh's step limit
+    ap.add_argument(
+        "--timeout", type=float, default=limit if limit > 0 else 600,
+        help="seconds for the training run(s) (default: $STEP_LIMIT - 10, else 600)",
+    )  # fmt: skip
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="train.compile=true")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
@@ -58,7 +62,7 @@ def main() -> None:
         sys.exit(2)
     name = args.name or Path(args.config).stem
     out = Path(args.out) if args.out else _default_out(name)
-    over = ["train.warmup_steps=5", "train.eval_every=100000",
+    over = ["train.warmup_steps=5", "train.eval_every=100000", "train.save_final=false",
             "train.save_every=100000", "train.sample_tokens=0", "train.global_batch_size=32",
             "train.micro_batch_size=8", "train.seq_len=2048", "train.log_every=1",
             "train.dtype=bf16", "model.attn_backend=auto", *args.overrides]  # fmt: skip

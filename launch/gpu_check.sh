@@ -11,13 +11,14 @@
 #   bash launch/gpu_check.sh                    # on the GPU machine (offline is fine)
 #
 # The GPU machine is expected to hold python3 with a CUDA torch (no DeepSpeed, no flash-attn).
-# Set-up installs .whl/*.whl (carried with the repo) into /tmp/llmtrain-site, else tries pip
-# (for machines that reach a registry). flash-attn is optional: its tests skip without it.
+# Set-up installs what the image lacks from .whl/ (carried with the repo; unzipped where the image
+# has no pip) into $GPU_CHECK_SITE (default /tmp/llmtrain-site), else tries pip (for machines that
+# reach a registry). flash-attn is optional: its tests skip without it.
 # Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
 # --prepare-wheels here; files come back from $OUT (7 files).
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
-# BENCH_STEPS (default 30), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
-# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_100m tests_gpu
+# BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
+# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b tests_gpu bench_moe_100m
 # bench_moe_1b_eager profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and
 # prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
@@ -25,19 +26,26 @@ set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 PY=${PYTHON:-python3}
-WHEELS="hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions"
+# What llmtrain, DeepSpeed and pytest import that a bare CUDA-torch image may lack, pinned to the
+# versions tested here (pydantic and pydantic-core must match). Set-up installs only the missing.
+WHEELS="hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 PyYAML==6.0.4 numpy==2.4.6 tokenizers==0.23.3
+tqdm==4.70.1 packaging==26.4 psutil==7.2.2 einops==0.8.2 msgpack==1.2.4 pytest==9.2.0
+iniconfig==2.3.1 pluggy==1.7.0 Pygments==2.21.0"
 DS_VERSION=0.19.8
 export PY WHEELS DS_VERSION
 
 if [[ "${1:-}" == "--prepare-wheels" ]]; then
   mkdir -p .whl && rm -f .whl/*.whl
-  plat=(--only-binary=:all: --python-version 3.12 --implementation cp
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
-        --platform manylinux2014_x86_64)
-  # shellcheck disable=SC2086
-  $PY -m pip download -q --no-deps "${plat[@]}" -d .whl $WHEELS || exit 1
+  for pyv in 3.11 3.12; do  # binary wheels for either Python the image may have (x86_64)
+    plat=(--only-binary=:all: --python-version "$pyv" --implementation cp
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+          --platform manylinux2014_x86_64)
+    # shellcheck disable=SC2086
+    $PY -m pip download -q --no-deps "${plat[@]}" -d .whl $WHEELS || exit 1
+  done
   $PY -m pip wheel -q --no-deps -w .whl "deepspeed==$DS_VERSION" || exit 1  # pure Python
-  ls -la .whl
+  ls -la .whl && du -sh .whl
   echo "now run on the GPU machine with .whl carried: bash launch/gpu_check.sh"
   exit 0
 fi
@@ -47,10 +55,12 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 : >"$LOG"
 BUDGET=${GPU_CHECK_BUDGET:-480}
-STEPS=${BENCH_STEPS:-30}
+STEPS=${BENCH_STEPS:-20}
 T0=$(date +%s)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LLMTRAIN_CACHE=${LLMTRAIN_CACHE:-/tmp/llmtrain-cache} DS_ACCELERATOR=cuda
+export SITE=${GPU_CHECK_SITE:-/tmp/llmtrain-site}  # where set-up installs what the image lacks
+export LLMTRAIN_TRACEBACK=1  # a bug's traceback in the log, not only its one line
 SMOKE=${GPU_CHECK_CPU_SMOKE:-0}
 export SMOKE
 # what the benchmarks run: the real configs, or (CPU smoke) the debug one for a few short steps
@@ -59,7 +69,7 @@ export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3
-  SMALL=(--cpu --warmup 1 train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
+  SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/llmtrain-inductor}
@@ -81,10 +91,13 @@ step() {
     echo "=== $name: skipped, budget spent" | tee -a "$LOG"
   else
     echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    export STEP_LIMIT=$limit  # the benchmarks stop themselves before this, to write their JSON
+    # SIG=INT for pytest: interrupted, it still writes its junit XML (TERM would lose it)
     if declare -F "$1" >/dev/null; then  # a function of this script: run it in a bash child
-      timeout --kill-after=15 "$limit" bash -c "$(declare -f "$1"); $*" 2>&1 | tee -a "$LOG" | tail -n 40
+      timeout -s "${SIG:-TERM}" --kill-after=15 "$limit" bash -c "$(declare -f); $*" 2>&1 |
+        tee -a "$LOG" | tail -n 40
     else
-      timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+      timeout -s "${SIG:-TERM}" --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
     fi
     rc=${PIPESTATUS[0]}
     ((rc == 124 || rc == 137)) && rc="timeout"
@@ -96,27 +109,72 @@ step() {
 setup() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   $PY - <<'EOF'
-import sys, torch
-print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
-assert torch.cuda.is_available(), "torch sees no CUDA device"
-print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+import os, platform, shutil, sys, sysconfig, torch
+print("python", sys.version.split()[0], platform.machine(), "torch", torch.__version__,
+      "cuda", torch.version.cuda, "cpus", os.cpu_count())
+# Triton (torch.compile, FlexAttention) builds its launcher with a C compiler and Python.h
+inc = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+print("cc", shutil.which("gcc") or shutil.which("cc"), "Python.h", os.path.exists(inc))
+assert torch.cuda.is_available() or os.environ["SMOKE"] == "1", "torch sees no CUDA device"
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
 EOF
-  [[ $? -eq 0 || $SMOKE == 1 ]] || return 1
-  if ! $PY -c "import deepspeed" 2>/dev/null; then
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/llmtrain-site .whl/*.whl || return 1
+  [[ $? -eq 0 ]] || return 1
+  # the wheels whose module is missing (or, for DeepSpeed, another version than the tested one)
+  local need
+  need=$($PY - <<'EOF'
+import importlib.metadata as md, importlib.util, os
+mods = {"hjson": "hjson", "pydantic": "pydantic", "pydantic-core": "pydantic_core",
+        "annotated-types": "annotated_types", "typing-inspection": "typing_inspection",
+        "typing-extensions": "typing_extensions", "PyYAML": "yaml", "numpy": "numpy",
+        "tokenizers": "tokenizers", "tqdm": "tqdm", "packaging": "packaging", "psutil": "psutil",
+        "einops": "einops", "msgpack": "msgpack", "pytest": "pytest", "iniconfig": "iniconfig",
+        "pluggy": "pluggy", "Pygments": "pygments"}
+wheels = os.environ["WHEELS"].split()
+need = [w for w in wheels if importlib.util.find_spec(mods[w.split("==")[0]]) is None]
+try:
+    ok = md.version("deepspeed") == os.environ["DS_VERSION"]
+except md.PackageNotFoundError:
+    ok = False
+print(" ".join(need + ([] if ok else ["deepspeed==" + os.environ["DS_VERSION"]])))
+EOF
+)
+  echo "to install into $SITE: ${need:-nothing}"
+  if [[ -n $need ]]; then
+    if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -m pip --version >/dev/null 2>&1; then
+      unpack_wheels $need || return 1  # an image without pip: a wheel is a zip file
+    elif ls .whl/*.whl >/dev/null 2>&1; then
+      # shellcheck disable=SC2086
+      $PY -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" $need || return 1
     else
       # shellcheck disable=SC2086
-      timeout 120 $PY -m pip install -q --target /tmp/llmtrain-site --no-deps \
-        "deepspeed==$DS_VERSION" $WHEELS || return 1
+      timeout 120 $PY -m pip install -q --target "$SITE" --no-deps $need || return 1
     fi
   fi
   $PY - <<'EOF'
-import importlib.util, deepspeed, torch
+import importlib.util, deepspeed, torch, yaml, numpy, tokenizers, pytest
+import llmtrain.cli, llmtrain.train.loop  # everything the steps import at start
 print("deepspeed", deepspeed.__version__, "accelerator", deepspeed.get_accelerator().device_name())
 print("flash_attn", importlib.util.find_spec("flash_attn") is not None)
 print("flex_attention", importlib.util.find_spec("torch.nn.attention.flex_attention") is not None)
+EOF
+}
+
+unpack_wheels() {  # NAME==VERSION...: unzip the matching .whl/ files for this Python
+  $PY - "$@" <<'EOF'
+import glob, os, re, sys, zipfile
+tag = "cp%d%d" % sys.version_info[:2]
+for spec in sys.argv[1:]:
+    name, version = spec.split("==")
+    norm = re.sub(r"[-_.]+", "_", name).lower()
+    files = [f for f in glob.glob(f".whl/*-{version}-*.whl")
+             if re.sub(r"[-_.]+", "_", os.path.basename(f).split("-")[0]).lower() == norm]
+    ok = [f for f in files if f"-{tag}-" in f or "-abi3-" in f or "-none-any" in f]
+    if not ok:
+        sys.exit(f"no wheel of {spec} for {tag} in .whl/ (run --prepare-wheels for this Python)")
+    zipfile.ZipFile(ok[0]).extractall(os.environ["SITE"])
+    print("unpacked", os.path.basename(ok[0]))
 EOF
 }
 
@@ -128,21 +186,24 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
   $PY -m llmtrain.cli data prepare "$CFG_1B"
 }
 
-if [[ -d /tmp/llmtrain-site ]] || ! $PY -c "import deepspeed" 2>/dev/null; then
-  export PYTHONPATH=$PYTHONPATH:/tmp/llmtrain-site  # after the image's own packages
-fi
-# Order: the MFU figures first (compiled: should compilation fail, gpu_train.py reruns eager and
+# before the image's site-packages; set-up puts there only what the image lacks (and DeepSpeed
+# 0.19.8 should the image hold another version)
+export PYTHONPATH=$PYTHONPATH:$SITE
+# Order: the MFU figure first (compiled: should compilation fail, gpu_train.py reruns eager and
 # says so), then correctness (-v: each result is logged as it finishes, should the step run out
-# of time), then the eager comparison and the profile.
+# of time), then the other figures and the profile.
 step setup 120 setup
 step prepare_data 120 prepare
 step bench_moe_1b 170 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
-  --steps "$STEPS" --name moe_1b --timeout 160 --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
+  --steps "$STEPS" --warmup 6 --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
+# cheap test files first, so that a short budget cuts the slow ones
+SIG=INT step tests_gpu 270 $PY -m pytest -v -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml" \
+  tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py tests/gpu/test_attention_gpu.py \
+  tests/gpu/test_bf16_gpu.py tests/gpu/test_resume_gpu.py
 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
-  --steps "$STEPS" --name moe_100m --timeout 100 --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
-step tests_gpu 270 $PY -m pytest tests/gpu -v -rA -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps 20 --warmup 5 \
-  --name moe_1b_eager --timeout 90 --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
+  --steps "$STEPS" --warmup 6 --name moe_100m --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
+step bench_moe_1b_eager 90 $PY benchmarks/gpu_train.py --config $CFG_1B --steps 15 --warmup 5 \
+  --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 

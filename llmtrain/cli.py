@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -452,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Our own errors (`LlmtrainError`) and OS/path errors exit 2 with their message; anything else
     is a bug and exits 1 with its type and a hint. `--debug` (anywhere on the line) or
-    LLMTRAIN_DEBUG=1 re-raises instead, with the traceback. A reader that closes our stdout early
+    LLMTRAIN_DEBUG=1 re-raises instead, with the traceback; LLMTRAIN_TRACEBACK=1 prints a bug's
+    traceback before its line, leaving logging as it is (unattended runs: the GPU check). A reader that closes our stdout early
     (`llmtrain count ... | head -4`) is not an error: the rest of the output is dropped, exit 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -478,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
+        if not is_user_error(e) and os.environ.get("LLMTRAIN_TRACEBACK", "") not in ("", "0"):
+            traceback.print_exc()  # a bug's traceback, without --debug's log levels
         _say(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "))
         return 2 if is_user_error(e) else 1
 

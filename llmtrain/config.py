@@ -254,6 +254,7 @@ class TrainConfig:
     eval_batches: int = 4
     save_every: int = 100
     keep_last: int = 2
+    save_final: bool = True  # false: no checkpoint at the last step unless save_every falls there
     async_save: bool = False  # copy the state, write it in the background while training goes on
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     activation_checkpointing: bool = False

@@ -181,6 +181,27 @@ def test_debug_flag_and_env_show_the_traceback(capsys, monkeypatch):
         main(["count", DEBUG, "model.hiden_size=1"])
 
 
+def test_traceback_env_prints_a_bugs_traceback_not_a_users(capsys, monkeypatch):
+    """LLMTRAIN_TRACEBACK=1 (unattended runs, e.g. the GPU check): a bug's traceback goes to
+    stderr before its one line, exit code unchanged; a user error stays one line."""
+    import llmtrain.cli as cli
+
+    def broken(args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setenv("LLMTRAIN_TRACEBACK", "1")
+    assert main(["count", DEBUG, "model.hiden_size=1"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cmd_count", broken)
+    assert main(["count", DEBUG]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "in broken" in err, err
+    assert err.rstrip().splitlines()[-1].startswith("llmtrain count: error: internal error")
+    monkeypatch.delenv("LLMTRAIN_TRACEBACK")
+    assert main(["count", DEBUG]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_short_run_clamps_warmup_instead_of_refusing(caplog):
     from llmtrain.config import load_config
 

@@ -23,7 +23,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
                LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="400",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # fmt: skip
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
     p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=450)  # fmt: skip
     log = p.stdout + p.stderr

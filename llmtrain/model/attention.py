@@ -173,25 +173,26 @@ _flex_failed: list[str] = []  # why FlexAttention was given up (then dense SDPA 
 _flex_probed: set[tuple] = set()
 
 
-def _flex_works(q_BHTE: torch.Tensor, v_BHSV: torch.Tensor) -> bool:
-    """Compile and run FlexAttention forward + backward once on a small problem with these head
-    dims and dtype before training relies on it: its backward compiles lazily, inside
-    `loss.backward()`, where a failure could not fall back any more."""
+def _flex_works(
+    q_BHTE: torch.Tensor, v_BHSV: torch.Tensor, mask: DocumentMask, scale: float
+) -> bool:
+    """Compile and run FlexAttention forward + backward once, at these shapes, dtype, scale and
+    with this mask, before training relies on it: its backward compiles lazily, inside
+    `loss.backward()`, where a failure could not fall back any more. Probing at the real shapes
+    means the real call reuses what the probe compiled."""
     if _flex_failed:
         return False
-    key = (q_BHTE.shape[-1], v_BHSV.shape[-1], q_BHTE.dtype, q_BHTE.device)
+    key = (tuple(q_BHTE.shape), tuple(v_BHSV.shape), q_BHTE.dtype, q_BHTE.device, scale)
     if key in _flex_probed or not q_BHTE.is_cuda:
         return True
     _flex_probed.add(key)
     try:
         with torch.enable_grad():
-            dev, dt, t = q_BHTE.device, q_BHTE.dtype, 256
             q, k, v = (
-                torch.randn(1, 1, t, d, device=dev, dtype=dt, requires_grad=True)
-                for d in (q_BHTE.shape[-1], q_BHTE.shape[-1], v_BHSV.shape[-1])
+                torch.randn(x.shape, device=x.device, dtype=x.dtype, requires_grad=True)
+                for x in (q_BHTE, q_BHTE, v_BHSV)
             )
-            dm = DocumentMask(torch.arange(t, device=dev).div(100, rounding_mode="floor")[None])
-            _flex(q, k, v, 1.0, dm, compiled=True).float().sum().backward()
+            _flex(q, k, v, scale, mask, compiled=True).float().sum().backward()
     except Exception as e:  # an unsupported shape or compiler: run on, densely
         _flex_failed.append(repr(e))
         logger.warning(
@@ -256,12 +257,16 @@ def attention(
     """
     t, s = q_BHTE.shape[-2], k_BHSE.shape[-2]
     if isinstance(mask, DocumentMask) and t == s:
+        # one dtype for the sparse kernels (under autocast rope leaves q, k in fp32 and v in
+        # bf16; FlexAttention has no backward for mixed dtypes): the narrowest of the three
+        dt = min((q_BHTE.dtype, k_BHSE.dtype, v_BHSV.dtype), key=lambda d: d.itemsize)
+        q_BHTE, k_BHSE, v_BHSV = (x.to(dt) for x in (q_BHTE, k_BHSE, v_BHSV))
         kind = document_backend(backend, q_BHTE)
         if kind == "flash_varlen":
             resolve_backend("flash", q_BHTE)  # raises with the fix when flash-attn cannot run
             _log_choice("flash-attn varlen", "document mask as cu_seqlens")
             return _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale, mask)
-        if kind == "flex" and _flex_works(q_BHTE, v_BHSV):
+        if kind == "flex" and _flex_works(q_BHTE, v_BHSV, mask, scale):
             _log_choice("flex", f"document mask as a block mask on {q_BHTE.device.type}")
             return _flex(q_BHTE, k_BHSE, v_BHSV, scale, mask, compiled=q_BHTE.is_cuda)
     mask = _dense(mask)

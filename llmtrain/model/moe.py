@@ -124,7 +124,10 @@ def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         torch.float16,
     ):
         return False
-    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        if x.dtype != torch.bfloat16:
+            return False
+    elif x.data_ptr() % 16 or w.data_ptr() % 16:  # e.g. a weight inside a flat ZeRO buffer
         return False
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and x.dtype == w.dtype

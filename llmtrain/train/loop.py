@@ -196,7 +196,8 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         else:
             metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
         final = record
-        if (done % t.save_every == 0 or done == t.max_steps) and run.nonfinite_in_row == 0:
+        due = done % t.save_every == 0 or (done == t.max_steps and t.save_final)
+        if due and run.nonfinite_in_row == 0:
             _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
             last_saved = done
         signum = stop.agreed()  # collective: every rank stops at the same step
@@ -426,9 +427,14 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
     if rank == 0 and "val_loss" in final:
         h = run.train_ds.unigram_entropy()
         final["unigram_entropy"] = h
-        print(
-            f"validation loss {final['val_loss']:.3f} nats vs unigram entropy {h:.3f} nats of the data; "
+        where = (
             f"checkpoint {run.run_dir / 'checkpoints' / f'step_{last_saved:08d}'}"
+            if last_saved >= 0
+            else "no checkpoint saved (train.save_final=false)"
+        )
+        print(
+            f"validation loss {final['val_loss']:.3f} nats vs unigram entropy {h:.3f} nats of the "
+            f"data; {where}"
         )
 
 

@@ -50,9 +50,12 @@ def _run(run_dir: Path, overrides, cache: str) -> None:
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
 
 
-def _kill_at(run_dir: Path, overrides, step: int, cache: str) -> None:
-    p = subprocess.Popen(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache), start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+def _kill_at(run_dir: Path, overrides, step: int, cache: str) -> str:
+    """Start a run, SIGKILL it once `step` steps are logged; returns its output (for failures)."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with log.open("w") as f:
+        p = subprocess.Popen(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache),
+                             start_new_session=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.time() + 400
     try:
         while time.time() < deadline and p.poll() is None:
@@ -64,6 +67,7 @@ def _kill_at(run_dir: Path, overrides, step: int, cache: str) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    return log.read_text(errors="replace")
 
 
 def test_nccl_world_of_one_save_resume_bf16(gpu_cache, tmp_path):
@@ -71,8 +75,8 @@ def test_nccl_world_of_one_save_resume_bf16(gpu_cache, tmp_path):
     ref = tmp_path / "ref"
     _run(ref, _over(), gpu_cache)
     run = tmp_path / "run"
-    _kill_at(run, _over(), 6, gpu_cache)
-    assert (run / "checkpoints" / "latest").exists()
+    out = _kill_at(run, _over(), 6, gpu_cache)
+    assert (run / "checkpoints" / "latest").exists(), out[-5000:]
     _run(run, _over("resume=auto"), gpu_cache)
     a, b = metrics(ref), metrics(run)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
