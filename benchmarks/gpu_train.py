@@ -92,6 +92,7 @@ def main() -> None:
             mfu=statistics.median(r["mfu"] for r in steady),
             peak_memory_gib=max(r["memory_gib"] for r in rows),
             loss_first_last=[rows[0].get("loss"), rows[-1].get("loss")],
+            losses=[r.get("loss") for r in rows],
         )
     for k, v in res.items():
         if k not in ("overrides", "compile_error"):

@@ -202,7 +202,7 @@ SIG=INT step tests_gpu 270 $PY -m pytest -v -rA -p no:cacheprovider --junitxml="
   tests/gpu/test_bf16_gpu.py tests/gpu/test_resume_gpu.py
 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup 6 --name moe_100m --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
-step bench_moe_1b_eager 90 $PY benchmarks/gpu_train.py --config $CFG_1B --steps 15 --warmup 5 \
+step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" --warmup 6 \
   --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
@@ -234,12 +234,21 @@ for f in sorted(out.glob("gpu_train_*.json")):
     r = json.loads(f.read_text())
     rows.append(r)
 if rows:
-    print(f"\n{'run':<14} {'compile':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'rc':>7}")
+    # loss at the first and last step: compiled and eager 1B runs see the same data and seed
+    print(f"\n{'run':<14} {'compile':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+          f"{'rc':>7}  loss first -> last")
     for r in rows:
         tok, tf, mfu, mem = (r.get(k) for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib"))
         fmt = lambda v, s: s.format(v) if isinstance(v, (int, float)) else "-"
+        first, last = (r.get("loss_first_last") or [None, None])[:2]
         print(f"{r['name']:<14} {str(r.get('compile')):>7} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
-              f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}")
+              f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}  "
+              f"{fmt(first, '{:.4f}')} -> {fmt(last, '{:.4f}')}")
+    by = {r["name"]: r.get("losses") or [] for r in rows}
+    a, b = by.get("moe_1b", []), by.get("moe_1b_eager", [])
+    if a and b:  # the same data and seed: compiled and eager should train alike (bf16 noise)
+        d = max(abs(x - y) for x, y in zip(a, b))
+        print(f"moe_1b compiled vs eager: max |loss difference| {d:.4f} over {min(len(a), len(b))} steps")
         if r.get("compile_error"):
             print(f"  compile failed, ran eager: {r['compile_error'].strip().splitlines()[-1][:120]}")
     (out / "summary.json").write_text(json.dumps(rows, indent=2))

@@ -28,12 +28,14 @@ from llmtrain.model.transformer import DecoderLayer
 logger = logging.getLogger(__name__)
 
 
-def compile_for_training(mod: nn.Module, dynamic: bool | None = None) -> None:
+def compile_for_training(mod: nn.Module, dynamic: bool = False) -> None:
     """Replace `mod.forward` by a compiled one that runs in training mode only.
 
     Evaluation and generation (eval mode, a KV cache, batch shapes that change per request)
     keep the eager forward: compiled, each new shape would recompile until torch gives up.
-    Module hooks (the training engine's) stay outside the compiled region."""
+    Module hooks (the training engine's) stay outside the compiled region. Static shapes by
+    default: a training run's shapes are fixed (an MTP depth's shorter length compiles once
+    more), and static graphs get the better kernels."""
     eager = mod.forward
     compiled = torch.compile(eager, dynamic=dynamic)
 
