@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+T_START = time.monotonic()  # before torch's import, which takes seconds on a fresh machine
 
 
 def _default_out(name: str) -> Path:
@@ -45,10 +46,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8, help="leading steps left out of the medians")
     ap.add_argument("--name", default="")
-    limit = float(os.environ.get("STEP_LIMIT", 0)) - 10  # launch/gpu_check.sh's step limit
+    # launch/gpu_check.sh's step limit, less a margin for writing the JSON after a timeout
+    limit = float(os.environ.get("STEP_LIMIT", 0)) - 20
     ap.add_argument(
         "--timeout", type=float, default=limit if limit > 0 else 600,
-        help="seconds for the training run(s) (default: $STEP_LIMIT - 10, else 600)",
+        help="seconds from this script's start for the training run(s) (default: $STEP_LIMIT "
+        "- 20, else 600)",
     )  # fmt: skip
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="train.compile=true")
@@ -68,8 +71,9 @@ def main() -> None:
             "train.dtype=bf16", "model.attn_backend=auto", *args.overrides]  # fmt: skip
     res: dict = {"name": name, "config": str(Path(args.config).name), "compile": args.compile}
     t0 = time.perf_counter()
-    rows, returncode, tail = _train(args, over, args.compile, args.timeout)
-    left = args.timeout - (time.perf_counter() - t0)
+    deadline = T_START + args.timeout
+    rows, returncode, tail = _train(args, over, args.compile, deadline - time.monotonic())
+    left = deadline - time.monotonic()
     if args.compile and not rows and left > 30:
         res["compile_error"] = tail
         print("the compiled run failed before its first step; rerunning eager", flush=True)

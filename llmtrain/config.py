@@ -363,6 +363,12 @@ class Config:
                 "module hooks that compiled code cannot run, so every block would break into "
                 "eager pieces; use parallel.zero_stage=1 or 2 with compile, or train.compile=false"
             )
+        if self.train.compile and self.train.dtype != "bf16" and self.model.n_routed_experts:
+            raise ConfigError(
+                f"train.compile=true with train.dtype={self.train.dtype}: torch.compile traces the "
+                "experts' grouped GEMM in bf16 only (other dtypes would recompile every step); "
+                "use train.dtype=bf16 with compile, or train.compile=false"
+            )
         if self.model.n_routed_experts % self.parallel.ep_size:
             raise ConfigError(
                 f"parallel.ep_size={self.parallel.ep_size} must divide model.n_routed_experts="

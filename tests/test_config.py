@@ -74,7 +74,9 @@ def test_unknown_rope_type_and_cross_section_checks():
     with pytest.raises(ConfigError, match="ep_size"):
         load_config(None, ["parallel.ep_size=3"])
     with pytest.raises(ConfigError, match="train.compile=true with parallel.zero_stage=3"):
-        load_config(None, ["parallel.zero_stage=3", "train.compile=true"])
+        load_config(None, ["parallel.zero_stage=3", "train.compile=true", "train.dtype=bf16"])
+    with pytest.raises(ConfigError, match="train.compile=true with train.dtype=fp32"):
+        load_config(None, ["train.compile=true", "train.dtype=fp32"])
 
 
 def test_bad_config_fails_before_any_allocation():

@@ -99,6 +99,18 @@ class DocumentMask:
             self._dense = ((d[:, :, None] == d[:, None, :]) & causal_TT).unsqueeze(1)
         return self._dense
 
+    def prepare(self, kind: str) -> DocumentMask:
+        """Build the form the `kind` kernel reads (`document_backend`) now, before the layers:
+        outside any compiled block, so compiled code only reads it (a form built inside would
+        change the guards after the first layer), and a host sync (varlen) happens here once."""
+        if kind == "flash_varlen":
+            self.varlen()
+        elif kind == "flex":
+            self.block_mask()
+        else:
+            self.dense()
+        return self
+
     def varlen(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens int32 [n_docs + 1] over the flattened B·T tokens, longest document).
 
@@ -144,6 +156,8 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@torch.compiler.disable  # eager even inside a compiled block: cu_seqlens' length and the
+# longest document change every batch, and a graph specialised on them would recompile each step
 def _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func  # optional, CUDA only
 
@@ -182,6 +196,8 @@ def _flex_works(
     means the real call reuses what the probe compiled."""
     if _flex_failed:
         return False
+    if torch.compiler.is_compiling():  # inside a compiled block: compiled with it, no fallback
+        return True
     key = (tuple(q_BHTE.shape), tuple(v_BHSV.shape), q_BHTE.dtype, q_BHTE.device, scale)
     if key in _flex_probed or not q_BHTE.is_cuda:
         return True

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig
-from llmtrain.model.attention import MLA, MLACache
+from llmtrain.model.attention import MLA, DocumentMask, MLACache, document_backend
 from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
 from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import Experts, MoE
@@ -220,6 +220,8 @@ class Transformer(nn.Module):
         position_ids = position_ids.expand(b, t)
         x_BTD = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, x_BTD.dtype)
+        if isinstance(attention_mask, DocumentMask) and cache is None:  # once, for every layer
+            attention_mask.prepare(document_backend(self.cfg.attn_backend, x_BTD))
         aux = x_BTD.new_zeros((), dtype=torch.float32)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and cache is None:

@@ -427,11 +427,15 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
     if rank == 0 and "val_loss" in final:
         h = run.train_ds.unigram_entropy()
         final["unigram_entropy"] = h
-        where = (
-            f"checkpoint {run.run_dir / 'checkpoints' / f'step_{last_saved:08d}'}"
-            if last_saved >= 0
-            else "no checkpoint saved (train.save_final=false)"
-        )
+        ck = run.run_dir / "checkpoints" / f"step_{last_saved:08d}"
+        if last_saved == t.max_steps:
+            where = f"checkpoint {ck}"
+        elif not t.save_final:
+            where = "final weights not saved (train.save_final=false)" + (
+                f"; last checkpoint {ck}" if last_saved >= 0 else ""
+            )
+        else:  # the last step was non-finite: nothing newer than the last good checkpoint
+            where = f"last good checkpoint {ck}" if last_saved >= 0 else "no checkpoint saved"
         print(
             f"validation loss {final['val_loss']:.3f} nats vs unigram entropy {h:.3f} nats of the "
             f"data; {where}"
