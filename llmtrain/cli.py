@@ -454,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     Our own errors (`LlmtrainError`) and OS/path errors exit 2 with their message; anything else
     is a bug and exits 1 with its type and a hint. `--debug` (anywhere on the line) or
     LLMTRAIN_DEBUG=1 re-raises instead, with the traceback; LLMTRAIN_TRACEBACK=1 prints a bug's
-    traceback before its line, leaving logging as it is (unattended runs: the GPU check). A reader that closes our stdout early
-    (`llmtrain count ... | head -4`) is not an error: the rest of the output is dropped, exit 0.
+    traceback before its line, leaving logging as it is (unattended runs: the GPU check). A
+    reader that closes our stdout early (`llmtrain count ... | head -4`) is not an error: the
+    rest of the output is dropped, exit 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LLMTRAIN_DEBUG", "") not in ("", "0")

@@ -11,7 +11,10 @@ What stays eager, and why:
   the expert GEMMs (whose row count changes every step: compiled with dynamic shapes).
 - The embedding, the fused LM head + cross-entropy (large GEMMs in chunks) and the MTP glue.
 - ZeRO-3 is refused (see `Config.validate`): it gathers weights in module hooks that compiled
-  code cannot run, which would break every block into pieces.
+  code cannot run, which would break every block into pieces. So is a MoE model outside bf16:
+  torch traces the grouped GEMM in bf16 only, and the per-expert loop would recompile each step.
+- Document-mask forms are built before the layers (`DocumentMask.prepare`); flash-attn's varlen
+  kernel runs eager inside a block, as its document count changes every batch.
 """
 
 from __future__ import annotations
