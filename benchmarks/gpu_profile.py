@@ -8,6 +8,14 @@ runs warm-up steps, then profiles a few with torch.profiler and prints the top C
 ops (of the compiled blocks with --compile, as train.compile=true runs them), the step time, the achieved TFLOP/s against the config's FLOPs per token, and how much of
 the step the GPU sat idle (host-bound). Writes the table to --out (default
 $OUT/gpu_profile_<config>.txt when $OUT is set). Needs CUDA.
+
+--attention instead times the attention kernels alone at the config's shapes (B=--micro, T=--seq,
+MLA's q/k head dim beside its narrower v), forward + backward in bf16: SDPA as torch dispatches it
+(and which kernel that is), SDPA forced onto cuDNN, onto its efficient kernel, onto its flash
+kernel with v zero-padded to the q/k width (flash wants one head dim), flash-attn when installed,
+and compiled FlexAttention (causal, and with 4 documents per row). Each row gives ms, TFLOP/s (the
+accounting's convention: causal, backward = 2 x forward) and the largest output difference from
+SDPA's own pick; a kernel that cannot run says why. This picks attn_backend on a new GPU.
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
+    ap.add_argument("--attention", action="store_true", help="time the attention kernels alone")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    t_start = time.monotonic()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,6 +58,13 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     cfg = load_config(args.config, args.overrides)
+    if args.attention:
+        limit = float(os.environ.get("STEP_LIMIT", 0)) - 10  # gpu_check.sh's step limit
+        deadline = t_start + (limit if limit > 0 else 600)
+        text = "\n".join(attention_table(cfg, args.micro, args.seq, dev, sync, deadline))
+        print(text)
+        _write(args, text, "gpu_attention")
+        return
     model = build_model(cfg.model, device=dev)
     for m in model.moe_layers():  # what the engine holds: bf16 params, fp32 master router
         m.gate.set_fp32_weight(m.gate.weight.detach().clone())
@@ -95,13 +112,115 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
+    _write(args, text, "gpu_profile")
+
+
+def _write(args, text: str, kind: str) -> None:
     out = args.out or (
-        str(Path(os.environ["OUT"]) / f"gpu_profile_{Path(args.config).stem}.txt")
+        str(Path(os.environ["OUT"]) / f"{kind}_{Path(args.config).stem}.txt")
         if os.environ.get("OUT")
         else ""
     )
     if out:
-        Path(out).write_text(text)
+        Path(out).write_text(text + "\n")
+
+
+def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float) -> list[str]:
+    """One row per attention kernel at the config's shapes: fwd+bwd ms, TFLOP/s, max |out - SDPA|.
+
+    Each candidate runs 2 warm-up and 5 timed forward + backward passes; one that raises (no such
+    kernel here, a shape it refuses) reports the first line of why. Candidates whose turn comes
+    after `deadline` (monotonic seconds) are listed as not run; compiled FlexAttention comes last
+    because its compilation takes the longest."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from llmtrain.model.attention import (
+        DocumentMask,
+        _flex,
+        attention,
+        flash_attn_available,
+        sdpa_kernel_name,
+    )
+    from llmtrain.model.layers import softmax_scale
+
+    c = cfg.model
+    b, h, t, e, vd = micro, c.num_heads, seq, c.qk_head_dim, c.v_head_dim
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    scale = softmax_scale(c)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k = (torch.randn(b, h, t, e, device=dev, dtype=dt, generator=g) for _ in range(2))
+    v = torch.randn(b, h, t, vd, device=dev, dtype=dt, generator=g)
+    dout = torch.randn(b, h, t, vd, device=dev, dtype=dt, generator=g)
+    flops = 3 * b * h * t * (t + 1) / 2 * 2 * (e + vd)  # count(): causal, bwd = 2 x fwd
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    def forced(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v)
+
+        return fn
+
+    def flash_padded(q, k, v):  # SDPA's flash kernel wants v as wide as q and k
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, F.pad(v, (0, e - vd)))[..., :vd]
+
+    causal = DocumentMask(torch.zeros(b, t, dtype=torch.int32, device=dev))
+    docs = DocumentMask(torch.arange(t, device=dev).div(t // 4, rounding_mode="floor")
+                        .clamp(max=3).expand(b, t).contiguous())  # fmt: skip
+    fraction = sum((n * (n + 1) / 2) for n in [t // 4] * 3 + [t - 3 * (t // 4)]) / (t * (t + 1) / 2)
+    pick = sdpa_kernel_name(q, k, v)
+    rows: list[tuple[str, object, float]] = [
+        (f"sdpa (torch's pick: {pick})", sdpa, 1.0),
+        ("sdpa cudnn", forced(SDPBackend.CUDNN_ATTENTION), 1.0),
+        ("sdpa efficient", forced(SDPBackend.EFFICIENT_ATTENTION), 1.0),
+        ("sdpa flash, v padded", flash_padded, 1.0),
+    ]
+    if flash_attn_available():
+        rows.append(("flash-attn", lambda q, k, v: attention(q, k, v, scale, "flash"), 1.0))
+    compiled = dev == "cuda"
+    rows += [
+        ("flex compiled, causal", lambda q, k, v: _flex(q, k, v, scale, causal, compiled), 1.0),
+        ("flex compiled, 4 docs/row", lambda q, k, v: _flex(q, k, v, scale, docs, compiled),
+         fraction),
+    ]  # fmt: skip
+    lines = [
+        f"attention kernels, {'bf16' if dt == torch.bfloat16 else 'fp32'} on {dev}: B={b} H={h} "
+        f"T={t} qk={e} v={vd}, causal; forward + backward, median of 5",
+        f"{'kernel':<42} {'ms':>8} {'TFLOP/s':>8} {'max|out - sdpa|':>16}",
+    ]
+    ref = None
+    for name, fn, frac in rows:
+        if time.monotonic() > deadline:
+            lines.append(f"{name:<42} not run: out of time")
+            continue
+        try:
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            times = []
+            for i in range(7):
+                sync()
+                t0 = time.perf_counter()
+                out = fn(qq, kk, vv)
+                out.backward(dout)
+                sync()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            ms = sorted(times)[len(times) // 2] * 1e3
+            out = out.detach().float()
+            if ref is None:
+                ref = out
+            # the document-masked row computes other attention: no difference to show
+            diff = "-" if frac != 1.0 else f"{(out - ref).abs().max().item():.2e}"
+            tflops = flops * frac / (ms / 1e3) / 1e12
+            lines.append(f"{name:<42} {ms:>8.2f} {tflops:>8.1f} {diff:>16}")
+        except Exception as err:  # this kernel cannot run here: say why, go on
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
+            lines.append(f"{name:<42} unsupported: {type(err).__name__}: {why}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -98,12 +98,40 @@ def main() -> None:
             loss_first_last=[rows[0].get("loss"), rows[-1].get("loss")],
             losses=[r.get("loss") for r in rows],
         )
+    res.update(_predicted_memory(args, over, res.get("peak_memory_gib")))
     for k, v in res.items():
-        if k not in ("overrides", "compile_error"):
+        if k not in ("overrides", "compile_error", "losses"):
             print(f"{k:>16}: {v}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     sys.exit(0 if res["returncode"] == 0 and steady else 1)
+
+
+def _predicted_memory(args, over: list[str], measured_gib) -> dict:
+    """`llmtrain count`'s peak for this layout beside the measured one: the prediction less its
+    runtime term, since torch.cuda.max_memory_allocated (what the trainer logs) counts tensors
+    only, not the CUDA context. On CPU (--cpu) the prediction is for CUDA all the same."""
+    from llmtrain.accounting import memory_per_rank
+    from llmtrain.config import load_config
+
+    try:
+        cfg = load_config(args.config, over)
+        t = cfg.train
+        mem = memory_per_rank(
+            cfg.model, world_size=1, zero_stage=cfg.parallel.zero_stage, ep_size=1,
+            dtype=t.dtype, micro_batch=t.micro_batch_size, seq_len=t.seq_len,
+            activation_checkpointing=t.activation_checkpointing, device="cuda",
+        )  # fmt: skip
+    except Exception as e:  # a figure to compare with, never a reason to lose the run's JSON
+        return {"predicted_memory_error": repr(e)}
+    gib = (mem["total"] - mem["runtime"]) / 2**30
+    out = {"predicted_memory_gib": round(gib, 2),
+           "predicted_parts_gib": {k: round(mem[k] / 2**30, 2) for k in (
+               "weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers",
+               "activations")}}  # fmt: skip
+    if not args.cpu and isinstance(measured_gib, (int, float)) and gib > 0:  # CPU: RSS
+        out["measured_over_predicted"] = round(measured_gib / gib, 3)
+    return out
 
 
 def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, object, str]:

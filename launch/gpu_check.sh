@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
-# configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), and
-# a kernel profile of the compiled 1B model's step. Every step has a timeout and
+# configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), the
+# attention kernels timed alone at the 1B shapes (which one attn_backend should take), and a
+# kernel profile of the compiled 1B model's step. Every step has a timeout and
 # the whole run a budget; a summary table is printed at the end and everything is written under
 # $OUT (default ./gpu_check_out).
 #
@@ -15,12 +16,12 @@
 # has no pip) into $GPU_CHECK_SITE (default /tmp/llmtrain-site), else tries pip (for machines that
 # reach a registry). flash-attn is optional: its tests skip without it.
 # Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
-# --prepare-wheels here; files come back from $OUT (7 files).
+# --prepare-wheels here; files come back from $OUT (7 files; the device tool returns at most 8).
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_1b_eager
-# tests_gpu bench_moe_100m profile_moe_1b; a rerun usually lands on a fresh machine, so keep setup and
-# prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
+# tests_gpu bench_moe_100m attn_kernels profile_moe_1b; a rerun usually lands on a fresh
+# machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -217,6 +218,8 @@ SIG=INT MIN=30 step tests_gpu 270 $PY -m pytest -v -rA -p no:cacheprovider \
   tests/gpu/test_attention_gpu.py tests/gpu/test_bf16_gpu.py tests/gpu/test_resume_gpu.py
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup 6 --name moe_100m --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
+MIN=20 step attn_kernels 60 $PY benchmarks/gpu_profile.py --config $CFG_1B --attention \
+  --out "$OUT/gpu_attention_moe_1b.txt" "${PSMALL[@]}"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 
@@ -233,6 +236,9 @@ import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
 x = out / "tests_gpu.xml"
+a = out / "gpu_attention_moe_1b.txt"
+if a.exists():
+    print("\n" + a.read_text().rstrip())
 if x.exists():
     print("\ntests/gpu:")
     for tc in ET.parse(x).getroot().iter("testcase"):
@@ -257,6 +263,9 @@ if rows:
         print(f"{r['name']:<14} {str(r.get('compile')):>7} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
               f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}  "
               f"{fmt(first, '{:.4f}')} -> {fmt(last, '{:.4f}')}")
+        if r.get("predicted_memory_gib"):  # llmtrain count's peak, less the CUDA context
+            print(f"  peak memory predicted {r['predicted_memory_gib']:.2f} GiB, measured/predicted "
+                  f"{r.get('measured_over_predicted', '-')}")
         if r.get("compile_error"):
             print(f"  compile failed, ran eager: {r['compile_error'].strip().splitlines()[-1][:120]}")
     by = {r["name"]: r for r in rows}
@@ -267,7 +276,6 @@ if rows:
     elif a and b:  # the same data and seed: compiled and eager should train alike (bf16 noise)
         d = max(abs(x - y) for x, y in zip(a, b))
         print(f"moe_1b compiled vs eager: max |loss difference| {d:.4f} over {min(len(a), len(b))} steps")
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
 EOF
 echo "log: $LOG"
 exit $fail

@@ -13,6 +13,7 @@ from llmtrain.model.attention import (
     attention,
     document_backend,
     reference_attention,
+    sdpa_kernel_name,
 )
 
 
@@ -48,6 +49,20 @@ def test_document_masked_attention_equals_dense_reference(backend):
     (g_ref,) = torch.autograd.grad(ref.square().sum(), q)
     (g_out,) = torch.autograd.grad(out.square().sum(), q)
     torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_kernel_name_reports_the_dispatchers_choice(caplog):
+    """MLA's v is narrower than q/k, which SDPA's flash kernels refuse: on CPU torch falls back
+    to its math kernel, and the log says so (on CUDA it names cuDNN or the efficient kernel)."""
+    q, k, v = _qkv()
+    assert sdpa_kernel_name(q, k, v) == "math"
+    assert sdpa_kernel_name(q, k, torch.randn(2, 3, 40, 24)) == "flash_attention"
+    import llmtrain.model.attention as A
+
+    A._logged.discard("sdpa kernel")
+    with caplog.at_level("INFO", logger="llmtrain.model.attention"):
+        attention(q, k, v, 0.2, "auto")
+    assert "sdpa kernel (math: q (2, 3, 40, 24), v (2, 3, 40, 16)" in caplog.text
 
 
 def test_cpu_picks_dense_fallback():

@@ -66,6 +66,20 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
     return requested
 
 
+def sdpa_kernel_name(q_BHTE, k_BHSE, v_BHSV, mask: torch.Tensor | None = None) -> str:
+    """The kernel torch's SDPA dispatcher picks for these inputs (causal when `mask` is None):
+    cuDNN, flash or efficient on CUDA, math as the fallback. MLA's q/k and v head dims differ,
+    which rules out SDPA's flash kernel, so which one runs instead is worth a line in the log."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        causal = mask is None and q_BHTE.shape[-2] == k_BHSE.shape[-2]
+        i = torch._fused_sdp_choice(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask, is_causal=causal)
+        return SDPBackend(i).name.lower()
+    except Exception as e:  # a private API: say why rather than fail a training step
+        return f"unknown ({type(e).__name__})"
+
+
 class DocumentMask:
     """Causal attention restricted to documents: `doc_BT[b, i]` is the document of token i.
 
@@ -298,6 +312,10 @@ def attention(
         )  # fmt: skip
         return out[..., :v].transpose(1, 2)
     if backend in ("sdpa", "flash", "flex"):
+        if "sdpa kernel" not in _logged and not torch.compiler.is_compiling():
+            m = mask if mask is not None or t == s else causal_mask(t, s, q_BHTE.device)
+            why = f"q {tuple(q_BHTE.shape)}, v {tuple(v_BHSV.shape)}, {q_BHTE.dtype}"
+            _log_choice("sdpa kernel", f"{sdpa_kernel_name(q_BHTE, k_BHSE, v_BHSV, m)}: {why}")
         if mask is None and t == s:
             return F.scaled_dot_product_attention(
                 q_BHTE, k_BHSE, v_BHSV, is_causal=True, scale=scale
