@@ -3,6 +3,7 @@ tasks and a user's --include-path work, and training logs periodic evaluations."
 
 import json
 import math
+import os
 import re
 import shutil
 
@@ -21,7 +22,7 @@ from llmtrain.export import save_consolidated  # noqa: E402
 from llmtrain.model import build_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
-from .train_utils import metrics, run_train  # noqa: E402
+from .train_utils import free_port, metrics, run_then_exit, run_train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +208,64 @@ def test_training_model_harness_matches_hflm_on_the_export(checkpoint, tmp_path)
     assert ours.keys() == theirs.keys() and ours
     for k in ours:
         assert ours[k] == pytest.approx(theirs[k], rel=1e-5), k
+
+
+def _gen_requests() -> list[tuple]:
+    """Generation requests of varied context lengths, more of them than two ranks' batches."""
+    docs = [json.loads(line) for line in (TASKS_DIR / "mc.jsonl").read_text().splitlines()]
+    gens = [(d["context"], {"until": ["\n"], "max_gen_toks": 6}) for d in docs[:7]]
+    return gens + [(docs[4]["context"] * 3, {"until": "return", "max_new_tokens": 5})]
+
+
+def _gen_lm(tok):
+    from llmtrain.eval.live import TrainingModelLM
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml", ["model.init_std=0.3", "model.mtp_depth=0"])
+    model = build_model(cfg.model, device="cpu", seed=0).eval()  # the checkpoint fixture's
+    lm = TrainingModelLM(model, tok, eos_id(tok), max_length=32, batch_size=2)
+    lm.PREFILL = 7  # several prefill forwards for the long contexts
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    return lm, forwards
+
+
+def _gen_rank(rank, world, port, tok_path, out):
+    import torch.distributed as dist
+    from tokenizers import Tokenizer
+
+    from llmtrain.parallel import comm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    lm, forwards = _gen_lm(Tokenizer.from_file(tok_path))
+    texts = lm.generate_until(_instances("generate_until", _gen_requests()))
+    every = comm.all_gather_object({"texts": texts, "forwards": forwards[0]})
+    if rank == 0:
+        out.write_text(json.dumps(every))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~30 s: five processes import torch and the harness
+def test_generation_is_split_over_ranks_and_equals_one_rank(checkpoint, tmp_path):
+    """Periodic evaluation's generation: each rank decodes its share of the requests (fewer
+    forwards than one rank doing all), every rank joins the same number of forwards (a sharded
+    model's forward is collective), and the texts equal one process's, on every rank."""
+    import torch.multiprocessing as mp
+
+    _, _, tok = checkpoint
+    tok_path = str(tmp_path / "tokenizer.json")
+    tok.save(tok_path)
+    lm, forwards = _gen_lm(tok)
+    want = lm.generate_until(_instances("generate_until", _gen_requests()))
+    assert any(want) and len(set(want)) > 1
+    for world in (2, 3):
+        out = tmp_path / f"w{world}.json"
+        mp.spawn(run_then_exit, args=(_gen_rank, world, free_port(), tok_path, out), nprocs=world)
+        ranks = json.loads(out.read_text())
+        assert [r["texts"] for r in ranks] == [want] * world, world
+        assert len({r["forwards"] for r in ranks}) == 1, (world, ranks)
+        assert ranks[0]["forwards"] < forwards[0], (world, ranks[0]["forwards"], forwards[0])
 
 
 def test_unknown_periodic_task_fails_before_training(tmp_path, capsys):

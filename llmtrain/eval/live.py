@@ -6,9 +6,10 @@ on every rank against the training model itself, as sharded as it trains (ZeRO-3
 experts on their expert-parallel ranks). Every rank builds the same request list; the
 log-likelihood requests are dealt round-robin over the ranks by length (each runs its share,
 padded with one-token forwards so that every rank joins the same number of forwards, hence the
-same collectives) and the scores are all-gathered. Greedy generation runs every request on every
-rank, in batches, with rank 0's tokens broadcast at each step so that every rank stops at the
-same point.
+same collectives) and the scores are all-gathered. Generation requests are dealt the same way:
+each rank decodes its share greedily, in batches, left-padded to the longest context on any rank
+(the same prefill forwards everywhere), and decodes on until every rank's batch has stopped (one
+flag all-reduced per token); the texts are all-gathered.
 Anything that would fail on one rank (a continuation longer than the context, a sampling task)
 is checked on the request list, which every rank holds, so every rank raises the same error.
 
@@ -172,16 +173,24 @@ class TrainingModelLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, (_, kw) in enumerate(args):
             groups.setdefault(repr(sorted((kw or {}).items())), []).append(i)
-        out = [""] * len(args)
+        mine: dict[int, str] = {}
         for idx in groups.values():
             until, max_gen = generation_args(args[idx[0]][1], self.max_length, eos_text)
             ctx = {i: self.tok_encode(args[i][0])[-(self.max_length - max_gen) :] for i in idx}
             idx = sorted(idx, key=lambda i: -len(ctx[i]))
-            for b in range(0, len(idx), self.batch_size):
-                part = idx[b : b + self.batch_size]
-                for i, new in zip(part, self._greedy([ctx[i] for i in part], max_gen, until)):
-                    text = self.tok_decode(new)
-                    out[i] = postprocess_generated_text(text, until, None)
+            share = idx[self.my_rank :: self.n_ranks]  # round-robin: the long ones spread out
+            per = -(-len(idx) // self.n_ranks)  # the same number of batches on every rank
+            for b in range(0, per, self.batch_size):
+                part = share[b : b + self.batch_size]
+                # a rank out of requests joins the forwards with one end-of-text token
+                news = self._greedy([ctx[i] for i in part] or [[self._eot]], max_gen, until,
+                                    idle=not part)  # fmt: skip
+                for i, new in zip(part, news):
+                    mine[i] = postprocess_generated_text(self.tok_decode(new), until, None)
+        out = [""] * len(args)
+        for got in comm.all_gather_object(mine) if self.n_ranks > 1 else [mine]:
+            for i, text in got.items():
+                out[i] = text
         return out
 
     # ------------------------------------------------------------ helpers
@@ -214,13 +223,19 @@ class TrainingModelLM(TemplateLM):
         return res
 
     @torch.no_grad()
-    def _greedy(self, ids: list[list[int]], max_new: int, until: list[str]) -> list[list[int]]:
-        """Greedy decoding of a batch against the latent cache; every rank takes rank 0's
-        tokens. Contexts are left-padded: padding is masked out of every other position's keys,
-        positions count real tokens only, and a padding query attends to itself (a row of
-        -inf would turn into NaN and reach the real tokens through the values). The contexts go
-        in PREFILL tokens at a time; each forward returns one row of logits per sequence."""
+    def _greedy(self, ids: list[list[int]], max_new: int, until: list[str],
+                idle: bool = False) -> list[list[int]]:  # fmt: skip
+        """Greedy decoding of this rank's batch against the latent cache, in step with the other
+        ranks: a sharded model's forward is collective, so every rank pads to the longest
+        context on any rank and decodes until every rank's batch has stopped. Contexts are
+        left-padded: padding is masked out of every other position's keys, positions count real
+        tokens only, and a padding query attends to itself (a row of -inf would turn into NaN
+        and reach the real tokens through the values). The contexts go in PREFILL tokens at a
+        time; each forward returns one row of logits per sequence. `idle`: a stand-in batch
+        (this rank has no requests left) that only joins the forwards, stopped from the start."""
         n, longest = len(ids), max(len(x) for x in ids)
+        if self.n_ranks > 1:
+            longest = int(comm.all_reduce(torch.tensor([longest]), op=dist.ReduceOp.MAX))
         dev = self._device
         x_BL = torch.full((n, longest), self._eot, dtype=torch.long)
         real_BL = torch.zeros(n, longest, dtype=torch.bool)
@@ -241,11 +256,9 @@ class TrainingModelLM(TemplateLM):
                                    ).logits  # fmt: skip
         keys_BS, pos_B1 = real_BL, pos_BL[:, -1:]
         new: list[list[int]] = [[] for _ in range(n)]
-        done = [False] * n
+        done = [idle] * n
         for _ in range(max_new):
             nxt_B = logits_BV.argmax(-1)
-            if self.n_ranks > 1:
-                comm.broadcast(nxt_B, src=0)
             for j, t in enumerate(nxt_B.tolist()):
                 if done[j]:
                     continue
@@ -253,7 +266,10 @@ class TrainingModelLM(TemplateLM):
                 # HF's stop criterion: the decoded tail (special tokens kept) holds a stop string
                 tail = self.tok_decode(new[j], skip_special_tokens=False)
                 done[j] = t == self._eot or any(s in tail for s in until if s)
-            if all(done):
+            running = torch.tensor([0 if all(done) else 1])
+            if self.n_ranks > 1:  # every rank's batch stopped: all leave the loop together
+                comm.all_reduce(running)
+            if not int(running):
                 break
             keys_BS = torch.cat([keys_BS, keys_BS.new_ones(n, 1)], dim=1)
             pos_B1 = pos_B1 + 1

@@ -88,6 +88,13 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's picklable object, in rank order (object collectives use the group's device)."""
+    box: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(box, obj, group=group)
+    return box
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
