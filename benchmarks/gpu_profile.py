@@ -45,6 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.monotonic()
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from llmtrain.accounting import count
@@ -61,9 +62,12 @@ def main() -> None:
     if args.attention:
         limit = float(os.environ.get("STEP_LIMIT", 0)) - 10  # gpu_check.sh's step limit
         deadline = t_start + (limit if limit > 0 else 600)
-        text = "\n".join(attention_table(cfg, args.micro, args.seq, dev, sync, deadline))
-        print(text)
-        _write(args, text, "gpu_attention")
+        path = _out_path(args, "gpu_attention")
+        with open(path or os.devnull, "w") as f:  # row by row: a timeout keeps the rows done
+            for line in attention_table(cfg, args.micro, args.seq, dev, sync, deadline):
+                print(line, flush=True)
+                f.write(line + "\n")
+                f.flush()
         return
     model = build_model(cfg.model, device=dev)
     for m in model.moe_layers():  # what the engine holds: bf16 params, fp32 master router
@@ -100,7 +104,10 @@ def main() -> None:
     tokens = args.micro * args.seq
     flops = count(cfg.model, seq_len=args.seq).flops_per_token * tokens
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / args.steps
+    # kernels only: a CPU op's row repeats the device time of the kernels it launched, and
+    # compiled code adds user-annotation rows on the GPU over its kernels
+    gpu_us = sum(e.self_device_time_total for e in events
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / args.steps  # fmt: skip
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
     lines = [
         f"config {Path(args.config).name} ({'compiled' if args.compile else 'eager'}): "
@@ -115,23 +122,29 @@ def main() -> None:
     _write(args, text, "gpu_profile")
 
 
+def _out_path(args, kind: str) -> str:
+    """--out, else $OUT/<kind>_<config>.txt when $OUT is set, else none."""
+    if args.out:
+        return args.out
+    if os.environ.get("OUT"):
+        return str(Path(os.environ["OUT"]) / f"{kind}_{Path(args.config).stem}.txt")
+    return ""
+
+
 def _write(args, text: str, kind: str) -> None:
-    out = args.out or (
-        str(Path(os.environ["OUT"]) / f"{kind}_{Path(args.config).stem}.txt")
-        if os.environ.get("OUT")
-        else ""
-    )
+    out = _out_path(args, kind)
     if out:
         Path(out).write_text(text + "\n")
 
 
-def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float) -> list[str]:
-    """One row per attention kernel at the config's shapes: fwd+bwd ms, TFLOP/s, max |out - SDPA|.
+def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
+    """Yields the table's lines, one row per attention kernel at the config's shapes: fwd+bwd ms,
+    TFLOP/s, max |out - SDPA's pick|.
 
     Each candidate runs 2 warm-up and 5 timed forward + backward passes; one that raises (no such
-    kernel here, a shape it refuses) reports the first line of why. Candidates whose turn comes
-    after `deadline` (monotonic seconds) are listed as not run; compiled FlexAttention comes last
-    because its compilation takes the longest."""
+    kernel here, a shape it refuses) reports the first line of why. Compiled FlexAttention comes
+    last because its compilation (forward and backward) takes the longest: it is not started
+    with less than 30 s to `deadline` (monotonic seconds), other rows with less than 5 s."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -183,20 +196,18 @@ def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float) 
     if flash_attn_available():
         rows.append(("flash-attn", lambda q, k, v: attention(q, k, v, scale, "flash"), 1.0))
     compiled = dev == "cuda"
-    rows += [
-        ("flex compiled, causal", lambda q, k, v: _flex(q, k, v, scale, causal, compiled), 1.0),
+    rows += [  # documents first: what FlexAttention is here for (train data.doc_mask=true)
         ("flex compiled, 4 docs/row", lambda q, k, v: _flex(q, k, v, scale, docs, compiled),
          fraction),
+        ("flex compiled, causal", lambda q, k, v: _flex(q, k, v, scale, causal, compiled), 1.0),
     ]  # fmt: skip
-    lines = [
-        f"attention kernels, {'bf16' if dt == torch.bfloat16 else 'fp32'} on {dev}: B={b} H={h} "
-        f"T={t} qk={e} v={vd}, causal; forward + backward, median of 5",
-        f"{'kernel':<42} {'ms':>8} {'TFLOP/s':>8} {'max|out - sdpa|':>16}",
-    ]
+    yield (f"attention kernels, {'bf16' if dt == torch.bfloat16 else 'fp32'} on {dev}: B={b} "
+           f"H={h} T={t} qk={e} v={vd}, causal; forward + backward, median of 5")  # fmt: skip
+    yield f"{'kernel':<42} {'ms':>8} {'TFLOP/s':>8} {'max|out - sdpa|':>16}"
     ref = None
     for name, fn, frac in rows:
-        if time.monotonic() > deadline:
-            lines.append(f"{name:<42} not run: out of time")
+        if time.monotonic() > deadline - (30 if name.startswith("flex") else 5):
+            yield f"{name:<42} not run: out of time"
             continue
         try:
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
@@ -216,11 +227,10 @@ def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float) 
             # the document-masked row computes other attention: no difference to show
             diff = "-" if frac != 1.0 else f"{(out - ref).abs().max().item():.2e}"
             tflops = flops * frac / (ms / 1e3) / 1e12
-            lines.append(f"{name:<42} {ms:>8.2f} {tflops:>8.1f} {diff:>16}")
+            yield f"{name:<42} {ms:>8.2f} {tflops:>8.1f} {diff:>16}"
         except Exception as err:  # this kernel cannot run here: say why, go on
             why = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
-            lines.append(f"{name:<42} unsupported: {type(err).__name__}: {why}")
-    return lines
+            yield f"{name:<42} unsupported: {type(err).__name__}: {why}"
 
 
 if __name__ == "__main__":

@@ -82,21 +82,25 @@ def main() -> None:
     res["overrides"] = [f"train.max_steps={args.steps}", *over]
     res["returncode"] = returncode
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    steady = rows[args.warmup :] or rows[-1:]
+    steady = rows[args.warmup :]  # a run cut short before them gives no figure, not a warm-up one
     res.update(
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (--cpu)",
         torch=torch.__version__,
         flash_attn=__import__("importlib").util.find_spec("flash_attn") is not None,
         steps_logged=len(rows),
+        steady_steps=len(steady),
     )
+    if rows:
+        res.update(
+            peak_memory_gib=max(r["memory_gib"] for r in rows),
+            loss_first_last=[rows[0].get("loss"), rows[-1].get("loss")],
+            losses=[r.get("loss") for r in rows],
+        )
     if steady:
         res.update(
             tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
             tflops_per_gpu=statistics.median(r["tflops_per_device"] for r in steady),
             mfu=statistics.median(r["mfu"] for r in steady),
-            peak_memory_gib=max(r["memory_gib"] for r in rows),
-            loss_first_last=[rows[0].get("loss"), rows[-1].get("loss")],
-            losses=[r.get("loss") for r in rows],
         )
     res.update(_predicted_memory(args, over, res.get("peak_memory_gib")))
     for k, v in res.items():

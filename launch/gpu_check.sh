@@ -16,12 +16,12 @@
 # has no pip) into $GPU_CHECK_SITE (default /tmp/llmtrain-site), else tries pip (for machines that
 # reach a registry). flash-attn is optional: its tests skip without it.
 # Device tool: run(command="bash launch/gpu_check.sh", timeout_s=560, carry=[".whl"]) after
-# --prepare-wheels here; files come back from $OUT (7 files; the device tool returns at most 8).
+# --prepare-wheels here; files come back from $OUT (8 files, as many as the device tool returns).
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_1b_eager
-# tests_gpu bench_moe_100m attn_kernels profile_moe_1b; a rerun usually lands on a fresh
-# machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
+# attn_kernels tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b; a rerun usually lands
+# on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -66,10 +66,11 @@ SMOKE=${GPU_CHECK_CPU_SMOKE:-0}
 export SMOKE
 # what the benchmarks run: the real configs, or (CPU smoke) the debug one for a few short steps
 CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
+WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
-  CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3
+  CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3 WARMUP=1
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -203,23 +204,27 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
 # 0.19.8 should the image hold another version)
 export PYTHONPATH=$PYTHONPATH:$SITE
 # Order: the MFU figure first (compiled: should compilation fail, gpu_train.py reruns eager and
-# says so) and the same run eager (speed-up, and the loss curves compared), then correctness (-v:
-# each result is logged as it finishes, should the step run out of time), then the 100M figure
-# and the profile. A step with less budget left than it needs to finish is skipped, not run.
+# says so) and the same run eager (speed-up, and the loss curves compared), the attention kernels
+# (cheap, and they decide attn_backend), then correctness in two steps (-v: each result is logged
+# as it finishes, should the step run out of time): the kernel tests, then the training ones
+# (bf16 vs fp32, NCCL save/resume), then the 100M figure and the profile. A step with less
+# budget left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
-MIN=100 step bench_moe_1b 170 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
-  --steps "$STEPS" --warmup 6 --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
+MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
+  --steps "$STEPS" --warmup "$WARMUP" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
 MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" \
-  --warmup 6 --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
-# cheap test files first, so that a short budget cuts the slow ones
-SIG=INT MIN=30 step tests_gpu 270 $PY -m pytest -v -rA -p no:cacheprovider \
-  --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
-  tests/gpu/test_attention_gpu.py tests/gpu/test_bf16_gpu.py tests/gpu/test_resume_gpu.py
-MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
-  --steps "$STEPS" --warmup 6 --name moe_100m --out "$OUT/gpu_train_moe_100m.json" "${SMALL[@]}"
+  --warmup "$WARMUP" --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
 MIN=20 step attn_kernels 60 $PY benchmarks/gpu_profile.py --config $CFG_1B --attention \
   --out "$OUT/gpu_attention_moe_1b.txt" "${PSMALL[@]}"
+SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
+  --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
+  tests/gpu/test_attention_gpu.py
+SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider \
+  --junitxml="$OUT/tests_gpu_train.xml" tests/gpu/test_bf16_gpu.py tests/gpu/test_resume_gpu.py
+MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
+  --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
+  "${SMALL[@]}"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 
@@ -235,13 +240,13 @@ $PY - "$OUT" <<'EOF' || true
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
-x = out / "tests_gpu.xml"
 a = out / "gpu_attention_moe_1b.txt"
 if a.exists():
     print("\n" + a.read_text().rstrip())
-if x.exists():
+xs = [x for x in (out / "tests_gpu.xml", out / "tests_gpu_train.xml") if x.exists()]
+if xs:
     print("\ntests/gpu:")
-    for tc in ET.parse(x).getroot().iter("testcase"):
+    for tc in (tc for x in xs for tc in ET.parse(x).getroot().iter("testcase")):
         state = "passed"
         for kind in ("failure", "error", "skipped"):
             el = tc.find(kind)

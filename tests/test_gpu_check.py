@@ -51,18 +51,23 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # at most 8 files come back from the device machine
     assert names == ["gpu_attention_moe_1b.txt", "gpu_check.log", "gpu_profile_moe_1b.txt",
                      "gpu_train_moe_100m.json", "gpu_train_moe_1b.json",
-                     "gpu_train_moe_1b_eager.json", "tests_gpu.xml"], names  # fmt: skip
+                     "gpu_train_moe_1b_eager.json", "tests_gpu.xml",
+                     "tests_gpu_train.xml"], names  # fmt: skip
     rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_train_*.json"))]
     assert [r["name"] for r in rows] == ["moe_100m", "moe_1b", "moe_1b_eager"]
     for r in rows:
-        assert r["returncode"] == 0 and r["steps_logged"] >= 3, r
+        assert r["returncode"] == 0 and r["steps_logged"] >= 3 and r["steady_steps"] >= 2, r
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, r
         # llmtrain count's prediction for the same layout (CUDA's, so not compared here)
         assert r["predicted_memory_gib"] > 0 and r["predicted_parts_gib"]["activations"] > 0, r
     summary = log[log.index("gpu_check summary") :]
-    for step in ("setup", "prepare_data", "bench_moe_1b", "tests_gpu", "profile_moe_1b"):
+    steps = ("setup", "prepare_data", "bench_moe_1b", "bench_moe_1b_eager", "attn_kernels",
+             "tests_gpu", "tests_gpu_train", "bench_moe_100m", "profile_moe_1b")  # fmt: skip
+    for step in steps:
         assert f"\n{step} " in summary and "timeout" not in summary, summary
-    assert "test_one_gpu_training_step_never_syncs_the_host" in summary  # tests/gpu collected
+    # tests/gpu collected by both pytest steps
+    assert "test_one_gpu_training_step_never_syncs_the_host" in summary
+    assert "test_nccl_world_of_one_save_resume_bf16" in summary
     assert "fwd+bwd" in (out / "gpu_profile_moe_1b.txt").read_text()
     # the attention kernels: SDPA's own pick ran and the padded flash kernel agreed with it
     attn = (out / "gpu_attention_moe_1b.txt").read_text()

@@ -14,6 +14,7 @@ from llmtrain.model.attention import (
     attention,
     document_backend,
     reference_attention,
+    sdpa_kernel_name,
 )
 
 DEV = "cuda"
@@ -56,9 +57,15 @@ def _close_grads(got, want):
 
 
 def test_sdpa_matches_reference_bf16():
+    """What training runs without flash-attn: SDPA at MLA's 192 / 128 head dims (on Hopper with
+    a recent cuDNN the dispatcher picks cuDNN's kernel; the failure names the kernel), forward
+    and backward against the fp32 reference."""
     q, k, v = _qkv()
-    out = attention(q, k, v, SCALE, "sdpa")
-    assert (out.float() - _ref(q, k, v)).abs().max() < ATOL
+    kernel = sdpa_kernel_name(q, k, v)
+    out, grads = _grads(lambda *x: attention(*x, SCALE, "sdpa"), q, k, v)
+    ref, ref_grads = _grads(_ref, q, k, v)
+    assert (out - ref).abs().max() < ATOL, kernel
+    _close_grads(grads, ref_grads)
 
 
 def test_flash_attn_matches_sdpa():
