@@ -115,21 +115,26 @@ def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     """`llmtrain count`'s peak for this layout beside the measured one: the prediction less its
     runtime term, since torch.cuda.max_memory_allocated (what the trainer logs) counts tensors
     only, not the CUDA context. On CPU (--cpu) the prediction is for CUDA all the same."""
-    from llmtrain.accounting import memory_per_rank
+    from llmtrain.accounting import attention_kernel, memory_per_rank
     from llmtrain.config import load_config
+    from llmtrain.model.attention import flash_attn_available
 
     try:
         cfg = load_config(args.config, over)
         t = cfg.train
+        kernel = attention_kernel(cfg.model, "cuda", t.dtype)
+        if kernel == "flash" and not flash_attn_available():
+            kernel = "fused"  # SDPA's kernels: v stays at its own width (flash-attn pads it)
         mem = memory_per_rank(
             cfg.model, world_size=1, zero_stage=cfg.parallel.zero_stage, ep_size=1,
             dtype=t.dtype, micro_batch=t.micro_batch_size, seq_len=t.seq_len,
             activation_checkpointing=t.activation_checkpointing, device="cuda",
+            attn_kernel=kernel,
         )  # fmt: skip
     except Exception as e:  # a figure to compare with, never a reason to lose the run's JSON
         return {"predicted_memory_error": repr(e)}
     gib = (mem["total"] - mem["runtime"]) / 2**30
-    out = {"predicted_memory_gib": round(gib, 2),
+    out = {"predicted_memory_gib": round(gib, 2), "predicted_attention_kernel": kernel,
            "predicted_parts_gib": {k: round(mem[k] / 2**30, 2) for k in (
                "weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers",
                "activations")}}  # fmt: skip

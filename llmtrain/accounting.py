@@ -400,6 +400,7 @@ def memory_per_rank(
     activation_checkpointing: bool = False,
     offload_optimizer: bool = False,
     device: str = "cpu",
+    attn_kernel: str | None = None,
 ) -> dict[str, float]:
     """Predicted peak bytes per rank while training, broken down (the parts sum to `total`).
 
@@ -413,7 +414,9 @@ def memory_per_rank(
     memory (RUNTIME_BYTES[device]). One fp32 process without offload runs DeepSpeed's stage 0,
     as the engine does, whatever stage is asked (`zero_stage` in the result). With
     `offload_optimizer` master weights, moments and the fp32 gradient partition live in host
-    memory: on CUDA they move to `host_bytes`, on CPU they stay in the total.
+    memory: on CUDA they move to `host_bytes`, on CPU they stay in the total. `attn_kernel`
+    overrides `attention_kernel`'s config-only guess ("flash" on CUDA in half precision) when the
+    caller knows which kernel runs (no flash-attn installed: "fused").
     """
     if world_size < 1 or ep_size < 1 or world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
@@ -468,7 +471,7 @@ def memory_per_rank(
         bucket = min(held, DS_REDUCE_BUCKET)
         out["deepspeed_buffers"] = w * (live + 2 * bucket)
     if seq_len:
-        backend = attention_kernel(c, device, dtype)
+        backend = attn_kernel or attention_kernel(c, device, dtype)
         act = activation_bytes(c, micro_batch, seq_len, dtype, activation_checkpointing, backend)
         out["activations"] = act["peak"]
     else:

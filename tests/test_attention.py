@@ -61,7 +61,10 @@ def test_sdpa_kernel_name_reports_the_dispatchers_choice(caplog):
 
     A._logged.discard("sdpa kernel")
     with caplog.at_level("INFO", logger="llmtrain.model.attention"):
-        attention(q, k, v, 0.2, "auto")
+        with torch.no_grad():  # evaluation-like calls may take other kernels: not logged
+            attention(q, k, v, 0.2, "auto")
+        assert "sdpa kernel" not in caplog.text
+        attention(q.requires_grad_(), k, v, 0.2, "auto")  # a training call is
     assert "sdpa kernel (math: q (2, 3, 40, 24), v (2, 3, 40, 16)" in caplog.text
 
 

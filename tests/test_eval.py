@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -236,7 +237,8 @@ def _gen_rank(rank, world, port, tok_path, out):
     from llmtrain.parallel import comm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # mismatched collectives (a broken split) fail in a minute, not gloo's default 30
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     lm, forwards = _gen_lm(Tokenizer.from_file(tok_path))
     texts = lm.generate_until(_instances("generate_until", _gen_requests()))

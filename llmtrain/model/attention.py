@@ -313,8 +313,10 @@ def attention(
         return out[..., :v].transpose(1, 2)
     if backend in ("sdpa", "flash", "flex"):
         # is_compiling first: a compiled graph that read `_logged` would be guarded on it and
-        # recompiled when an eager forward (evaluation) adds to it
-        if not torch.compiler.is_compiling() and "sdpa kernel" not in _logged:
+        # recompiled when an eager forward (evaluation) adds to it. A training call only (with
+        # grad): evaluation's masked or cached calls may take another kernel
+        if (not torch.compiler.is_compiling() and q_BHTE.requires_grad
+                and "sdpa kernel" not in _logged):  # fmt: skip
             m = mask if mask is not None or t == s else causal_mask(t, s, q_BHTE.device)
             why = f"q {tuple(q_BHTE.shape)}, v {tuple(v_BHSV.shape)}, {q_BHTE.dtype}"
             _log_choice("sdpa kernel", f"{sdpa_kernel_name(q_BHTE, k_BHSE, v_BHSV, m)}: {why}")
