@@ -73,6 +73,7 @@ def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, 
         ),
         "offload_optimizer": pick(args.offload_optimizer, "train", "offload_optimizer", False),
         "device": args.device,
+        "attn_kernel": args.attn_kernel,
     }
 
 
@@ -292,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--offload-optimizer", action="store_true", default=None)
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="whose runtime overhead and attention kernel to assume")  # fmt: skip
+    c.add_argument("--attn-kernel", default=None, choices=["flash", "fused", "math", "reference"],
+                   help="the training attention kernel, for its activations (default: flash-attn "
+                        "on CUDA in half precision; 'fused' for SDPA's kernels, e.g. a GPU "
+                        "without flash-attn)")  # fmt: skip
     c.set_defaults(func=cmd_count)
 
     t = sub.add_parser("train", help="train (one process, or under the deepspeed launcher)")

@@ -167,6 +167,15 @@ def test_cli_count_prints_and_json_carries_the_breakdown(capsys):
     assert mem["total"] == pytest.approx(sum(mem[k] for k in PARTS))
     assert "measured" in j["memory_runtime_provenance"]
     assert main(["count", cfg, "--world-size", "4", "--ep-size", "3"]) == 2
+    # on CUDA flash-attn is assumed (v padded to the q/k width); --attn-kernel fused is SDPA's,
+    # v at its own width (MLA: narrower), so fewer activation bytes
+    acts = {}
+    for kernel in ([], ["--attn-kernel", "fused"]):
+        assert main([*args, "--device", "cuda", "--json", *kernel]) == 0
+        j = json.loads(capsys.readouterr().out)
+        acts[bool(kernel)] = j["memory_per_rank_bytes"]["activations"]
+        assert j["memory_per_rank_inputs"]["attn_kernel"] == (kernel[1] if kernel else None)
+    assert acts[True] < acts[False]
 
 
 def test_predicted_model_states_equal_real_bytes_after_one_step():
