@@ -19,7 +19,7 @@
 # --prepare-wheels here; files come back from $OUT (8 files, as many as the device tool returns).
 # A session has 15 device minutes, a machine's start included: after a full first run about 5
 # are left, so the rerun (a fresh machine) gets GPU_CHECK_BUDGET=180 and GPU_CHECK_SKIP naming
-# every step that passed, with timeout_s=240.
+# the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_1b_eager
