@@ -48,7 +48,7 @@ def main() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from llmtrain.accounting import count
+    from llmtrain.accounting import RUNTIME_BYTES, count
     from llmtrain.config import load_config
     from llmtrain.model import build_model
 
@@ -109,12 +109,20 @@ def main() -> None:
     gpu_us = sum(e.self_device_time_total for e in events
                  if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / args.steps  # fmt: skip
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+    runtime = "n/a on CPU"
+    if dev == "cuda":  # device memory torch's allocator does not hold: context, loaded kernels,
+        # cuBLAS/cuDNN workspaces; llmtrain.accounting.RUNTIME_BYTES["cuda"] states it, unmeasured
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free - torch.cuda.memory_reserved()) / 2**20
+        stated = RUNTIME_BYTES["cuda"] / 2**20
+        runtime = f"{outside:.0f} MiB (llmtrain count assumes {stated:.0f})"
     lines = [
         f"config {Path(args.config).name} ({'compiled' if args.compile else 'eager'}): "
         f"{tokens} tokens/micro-batch, fwd+bwd {dt * 1e3:.1f} ms, "
         f"{tokens / dt:,.0f} tokens/s, {flops / dt / 1e12:.0f} TFLOP/s "
         f"({flops / dt / 989e12:.1%} of 989), GPU busy {gpu_us / 1e6 / dt:.0%} of the step, "
         f"peak memory {peak_gib:.1f} GiB",
+        f"CUDA memory outside torch's allocator (context, kernels, workspaces): {runtime}",
         events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60),
     ]
     text = "\n".join(lines)
