@@ -9,13 +9,23 @@ ops (of the compiled blocks with --compile, as train.compile=true runs them), th
 the step the GPU sat idle (host-bound). Writes the table to --out (default
 $OUT/gpu_profile_<config>.txt when $OUT is set). Needs CUDA.
 
---attention instead times the attention kernels alone at the config's shapes (B=--micro, T=--seq,
-MLA's q/k head dim beside its narrower v), forward + backward in bf16: SDPA as torch dispatches it
-(and which kernel that is), SDPA forced onto cuDNN, onto its efficient kernel, onto its flash
-kernel with v zero-padded to the q/k width (flash wants one head dim), flash-attn when installed,
-and compiled FlexAttention (causal, and with 4 documents per row). Each row gives ms, TFLOP/s (the
-accounting's convention: causal, backward = 2 x forward) and the largest output difference from
-SDPA's own pick; a kernel that cannot run says why. This picks attn_backend on a new GPU.
+--kernels instead times the step's kernels one by one at the config's shapes (B=--micro, T=--seq),
+forward + backward in bf16, with fresh random inputs, in three tables:
+1. the device's ceilings: a bf16 8192x8192x8192 matrix product (the rate MFU's 989 TFLOP/s peak
+   is a datasheet figure for) and a device-to-device copy (bytes read + written);
+2. every weight matmul of the step (llmtrain.accounting.matmuls: attention projections, dense
+   and shared-expert MLPs, the router in fp32, the routed experts' grouped GEMM with balanced
+   counts, the LM head in the fused loss's chunks): ms per micro-batch, TFLOP/s, share of FLOPs;
+3. the attention kernels (MLA's q/k head dim beside its narrower v): SDPA as torch dispatches
+   it (and which kernel that is), SDPA forced onto cuDNN, onto its efficient kernel, onto its
+   flash kernel with v zero-padded to the q/k width (flash wants one head dim), flash-attn when
+   installed, and compiled FlexAttention (causal, and with 4 documents per row). Each row gives
+   ms, TFLOP/s (the accounting's convention: causal, backward = 2 x forward) and the largest
+   output difference from SDPA's own pick; a kernel that cannot run says why. This picks
+   attn_backend on a new GPU.
+Between tables 2 and 3 a line bounds the step: matmuls at their measured rates plus SDPA's
+attention, with every other kernel (norms, RoPE, routing, permutation, loss, optimizer) free.
+The MFU no code change can beat without faster GEMM or attention kernels, or other shapes.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
-    ap.add_argument("--attention", action="store_true", help="time the attention kernels alone")
+    ap.add_argument("--kernels", action="store_true", help="time the step's kernels one by one")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     t_start = time.monotonic()
@@ -59,12 +69,12 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     cfg = load_config(args.config, args.overrides)
-    if args.attention:
+    if args.kernels:
         limit = float(os.environ.get("STEP_LIMIT", 0)) - 10  # gpu_check.sh's step limit
         deadline = t_start + (limit if limit > 0 else 600)
-        path = _out_path(args, "gpu_attention")
+        path = _out_path(args, "gpu_kernels")
         with open(path or os.devnull, "w") as f:  # row by row: a timeout keeps the rows done
-            for line in attention_table(cfg, args.micro, args.seq, dev, sync, deadline):
+            for line in kernel_tables(cfg, args.micro, args.seq, dev, sync, deadline):
                 print(line, flush=True)
                 f.write(line + "\n")
                 f.flush()
@@ -145,14 +155,170 @@ def _write(args, text: str, kind: str) -> None:
         Path(out).write_text(text + "\n")
 
 
-def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
+PEAK_BF16 = 989e12  # dense bf16 datasheet peak of an H100/H200 SXM (what MFU is against)
+
+
+def _bench(fn, sync, min_s: float = 0.005) -> float:
+    """Median seconds per call of fn: 2 warm-ups, then 5 timings of enough back-to-back calls
+    to last min_s (launch and sync costs stay out of sub-millisecond kernels)."""
+    fn()
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    reps = max(1, min(50, int(min_s / max(time.perf_counter() - t0, 1e-7))))
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / reps)
+    return sorted(times)[2]
+
+
+def ceiling_rows(dev: str, sync):
+    """The device's two ceilings on random data: a bf16 matrix product and a copy."""
+    import torch
+
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    n = 1024 if dev == "cpu" else 8192
+    ab = [torch.randn(n, n, device=dev, dtype=dt) for _ in range(2)]
+    s = _bench(lambda: ab[0] @ ab[1], sync)
+    rate = 2 * n**3 / s
+    name = f"matmul {n}^3 {str(dt).split('.')[-1]}"
+    yield f"{name:<42} {s * 1e3:>8.2f} {rate / 1e12:>8.1f} TFLOP/s ({rate / PEAK_BF16:.0%} of 989)"
+    ab.clear()
+    src = torch.randn(1 << (22 if dev == "cpu" else 29), device=dev, dtype=dt)
+    dst = torch.empty_like(src)
+    s = _bench(lambda: dst.copy_(src), sync)
+    nbytes = 2 * src.numel() * src.element_size()
+    name = f"copy {nbytes // 2**20} MiB read + written"
+    yield f"{name:<42} {s * 1e3:>8.2f} {nbytes / s / 1e12:>8.2f} TB/s"
+
+
+def _matmul_seconds(m, rows: int, dev: str, dt, sync) -> tuple[float, str]:
+    """Seconds of one forward + backward of matmul `m` with `rows` rows, and how it ran: a plain
+    matmul, or the routed experts as the model runs them (torch's grouped GEMM where it can,
+    else one matmul per expert) with balanced counts, as the bias balancing aims for."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.model.moe import grouped_mm_ok
+
+    d = torch.float32 if m.fp32 else dt
+    x = torch.randn(rows, m.k, device=dev, dtype=d, requires_grad=True)
+    w_shape = (m.groups, m.k, m.n) if m.groups > 1 else (m.k, m.n)
+    w = (torch.randn(w_shape, device=dev, dtype=d) * m.k**-0.5).requires_grad_()
+    dy = torch.randn(rows, m.n, device=dev, dtype=d)
+    how = "matmul"
+    if m.groups > 1:
+        counts = torch.full((m.groups,), rows // m.groups, dtype=torch.int64)
+        counts[: rows % m.groups] += 1
+        offs = torch.cumsum(counts, 0).to(device=dev, dtype=torch.int32)
+        sizes = counts.tolist()
+        how = "grouped_mm" if grouped_mm_ok(x, w) else "loop"
+
+        def mm():
+            if how == "grouped_mm":
+                return F.grouped_mm(x, w, offs=offs)
+            return torch.cat([xs @ w[e] for e, xs in enumerate(x.split(sizes))])
+    else:
+
+        def mm():
+            return x @ w
+
+    return _bench(lambda: torch.autograd.grad(mm(), (x, w), dy), sync), how
+
+
+def matmul_rows(cfg, tokens: int, dev: str, sync, deadline: float, totals: dict):
+    """One row per weight matmul of the step (llmtrain.accounting.matmuls), forward + backward
+    through autograd as training runs it; adds the step's matmul seconds to totals["matmul_s"]
+    (None when a row could not run)."""
+    import torch
+
+    from llmtrain.accounting import matmuls
+    from llmtrain.model.loss import _chunk_rows
+
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    inv = matmuls(cfg.model, tokens)
+    step_flops = sum(m.train_flops for m in inv)
+    totals["matmul_s"], totals["matmul_flops"] = 0.0, step_flops
+    for m in inv:
+        rows, scale, how = m.m, float(m.count), ""
+        if m.name == "lm_head":  # the fused loss runs the head in chunks of tokens
+            rows = min(m.m, _chunk_rows(cfg.model.vocab_size, torch.device(dev)))
+            scale, how = m.count * m.m / rows, f" ({rows}-row chunks)"
+        label = f"{m.name}{how}"
+        shape = f"{rows}x{m.k}x{m.n}" + (f" /{m.groups}" if m.groups > 1 else "")
+        if time.monotonic() > deadline - 5:
+            totals["matmul_s"] = None
+            yield f"{label:<42} not run: out of time"
+            continue
+        try:
+            s, how = _matmul_seconds(m, rows, dev, dt, sync)
+            s *= scale
+            if m.groups > 1:
+                label = f"{m.name} ({how})"
+            flops = m.train_flops
+            if totals["matmul_s"] is not None:
+                totals["matmul_s"] += s
+            yield (f"{label:<42} {s * 1e3:>8.2f} {flops / s / 1e12:>8.1f} "
+                   f"{flops / step_flops:>7.1%}  {shape}{' fp32' if m.fp32 else ''}")  # fmt: skip
+        except Exception as err:  # this shape cannot run here: say why, go on
+            totals["matmul_s"] = None
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
+            yield f"{label:<42} unsupported: {type(err).__name__}: {why}"
+
+
+def kernel_tables(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
+    """Yields the --kernels tables' lines (module docstring), the bound between tables 2 and 3."""
+    from llmtrain.accounting import count
+
+    c = cfg.model
+    tokens = micro * seq
+    dtname = "fp32" if dev == "cpu" else "bf16"
+    yield f"device ceilings, random data, median of 5 ({dev}):"
+    yield from ceiling_rows(dev, sync)
+    yield ""
+    yield (f"weight matmuls of one micro-batch ({tokens} tokens), {dtname}, forward + backward, "
+           f"all layers:")  # fmt: skip
+    yield f"{'matmul':<42} {'ms':>8} {'TFLOP/s':>8} {'FLOPs':>7}  m x k x n [/groups]"
+    totals: dict = {}
+    yield from matmul_rows(cfg, tokens, dev, sync, deadline, totals)
+    yield ""
+    blocks = c.num_layers + c.mtp_depth
+    bound_done = False
+    for line in attention_table(cfg, micro, seq, dev, sync, deadline, totals):
+        yield line
+        if not bound_done and "attention_s" in totals:
+            bound_done = True
+            mm_s, at_s = totals.get("matmul_s"), totals["attention_s"]
+            if mm_s is None or at_s is None:
+                yield "bound: not computed (a matmul or SDPA's attention did not run)"
+                continue
+            flops = count(c, seq_len=seq).flops_per_token * tokens
+            floor = mm_s + blocks * at_s
+            yield (f"bound: matmuls {mm_s * 1e3:.1f} ms + attention {blocks} x {at_s * 1e3:.2f} ms "
+                   f"= {floor * 1e3:.1f} ms per micro-batch with every other kernel free: "
+                   f"<= {tokens / floor:,.0f} tokens/s, MFU <= {flops / floor / PEAK_BF16:.1%} "
+                   f"of 989 TFLOP/s (matmuls alone {totals['matmul_flops'] / mm_s / 1e12:.0f} "
+                   f"TFLOP/s)")  # fmt: skip
+
+
+def attention_table(
+    cfg, micro: int, seq: int, dev: str, sync, deadline: float, totals: dict | None = None
+):
     """Yields the table's lines, one row per attention kernel at the config's shapes: fwd+bwd ms,
     TFLOP/s, max |out - SDPA's pick|.
 
     Each candidate runs 2 warm-up and 5 timed forward + backward passes; one that raises (no such
     kernel here, a shape it refuses) reports the first line of why. Compiled FlexAttention comes
     last because its compilation (forward and backward) takes the longest: it is not started
-    with less than 40 s to `deadline` (monotonic seconds), other rows with less than 5 s."""
+    with less than 40 s to `deadline` (monotonic seconds), other rows with less than 5 s.
+    totals["attention_s"]: seconds of SDPA's own pick, forward + backward (None if it failed)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -213,7 +379,10 @@ def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
            f"H={h} T={t} qk={e} v={vd}, causal; forward + backward, median of 5")  # fmt: skip
     yield f"{'kernel':<42} {'ms':>8} {'TFLOP/s':>8} {'max|out - sdpa|':>16}"
     ref = None
-    for name, fn, frac in rows:
+    totals = {} if totals is None else totals
+    for i_row, (name, fn, frac) in enumerate(rows):
+        if i_row == 1:  # SDPA's own pick is done (or failed): the bound can be drawn
+            totals.setdefault("attention_s", None)
         if time.monotonic() > deadline - (40 if name.startswith("flex") else 5):
             yield f"{name:<42} not run: out of time"
             continue
@@ -235,6 +404,8 @@ def attention_table(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
             # the document-masked row computes other attention: no difference to show
             diff = "-" if frac != 1.0 else f"{(out - ref).abs().max().item():.2e}"
             tflops = flops * frac / (ms / 1e3) / 1e12
+            if i_row == 0:
+                totals["attention_s"] = ms / 1e3
             yield f"{name:<42} {ms:>8.2f} {tflops:>8.1f} {diff:>16}"
         except Exception as err:  # this kernel cannot run here: say why, go on
             why = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]

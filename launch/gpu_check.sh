@@ -2,8 +2,9 @@
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
 # configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), the
-# attention kernels timed alone at the 1B shapes (which one attn_backend should take), and a
-# kernel profile of the compiled 1B model's step. Every step has a timeout and
+# step's kernels timed one by one at the 1B shapes (the device's matmul and copy ceilings, every
+# weight matmul, the attention kernels: which one attn_backend should take, and the MFU bound that
+# those kernels leave), and a kernel profile of the compiled 1B model's step. Every step has a timeout and
 # the whole run a budget; a summary table is printed at the end and everything is written under
 # $OUT (default ./gpu_check_out).
 #
@@ -23,7 +24,7 @@
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_1b_eager
-# attn_kernels tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b; a rerun usually lands
+# kernels tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
@@ -207,8 +208,8 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
 # 0.19.8 should the image hold another version)
 export PYTHONPATH=$PYTHONPATH:$SITE
 # Order: the MFU figure first (compiled: should compilation fail, gpu_train.py reruns eager and
-# says so) and the same run eager (speed-up, and the loss curves compared), the attention kernels
-# (cheap, and they decide attn_backend), then correctness in two steps (-v: each result is logged
+# says so) and the same run eager (speed-up, and the loss curves compared), the kernels timed one
+# by one (cheap; they bound the MFU and decide attn_backend), then correctness in two steps (-v: each result is logged
 # as it finishes, should the step run out of time): the kernel tests, then the training ones
 # (bf16 vs fp32, NCCL save/resume), then the 100M figure and the profile. A step with less
 # budget left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
@@ -218,8 +219,8 @@ MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${CO
   --steps "$STEPS" --warmup "$WARMUP" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
 MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" \
   --warmup "$WARMUP" --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
-MIN=20 step attn_kernels 60 $PY benchmarks/gpu_profile.py --config $CFG_1B --attention \
-  --out "$OUT/gpu_attention_moe_1b.txt" "${PSMALL[@]}"
+MIN=20 step kernels 65 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
+  --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
   tests/gpu/test_attention_gpu.py
@@ -243,7 +244,7 @@ $PY - "$OUT" <<'EOF' || true
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
-a = out / "gpu_attention_moe_1b.txt"
+a = out / "gpu_kernels_moe_1b.txt"
 if a.exists():
     print("\n" + a.read_text().rstrip())
 xs = [x for x in (out / "tests_gpu.xml", out / "tests_gpu_train.xml") if x.exists()]

@@ -172,6 +172,76 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
     )
 
 
+@dataclass(frozen=True)
+class Matmul:
+    """One kind of weight matmul in a training step, forward: [m, k] @ [k, n], `count` times.
+
+    The routed experts are one grouped GEMM: m rows (tokens × top-k) over `groups` weights of
+    [k, n] each. `fp32`: computed in fp32 whatever the training precision (the router).
+    Backward does two matmuls of the same FLOPs (input and weight gradients)."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    count: int = 1
+    groups: int = 1
+    fp32: bool = False
+
+    @property
+    def train_flops(self) -> float:
+        return 6.0 * self.m * self.k * self.n * self.count
+
+
+def matmuls(c: ModelConfig, tokens: int) -> list[Matmul]:
+    """Every weight matmul of one forward + backward over `tokens` tokens, by shape, from the
+    config alone (the model's layer names). 6 × Σ m·k·n·count equals `count()`'s matmul FLOPs
+    (flops_per_token less the attention terms) × tokens: what a step can be timed against,
+    GEMM by GEMM, to bound its MFU before any other kernel runs."""
+    d, h, t = c.hidden_size, c.num_heads, tokens
+    moe = c.num_moe_layers + c.mtp_depth  # every MTP block is a MoE layer
+    blocks = c.num_layers + c.mtp_depth
+    out: list[Matmul] = []
+    if c.q_lora_rank is None:
+        out.append(Matmul("self_attn.q_proj", t, d, h * c.qk_head_dim, blocks))
+    else:
+        out += [
+            Matmul("self_attn.q_a_proj", t, d, c.q_lora_rank, blocks),
+            Matmul("self_attn.q_b_proj", t, c.q_lora_rank, h * c.qk_head_dim, blocks),
+        ]
+    r = c.kv_lora_rank
+    out += [
+        Matmul("self_attn.kv_a_proj_with_mqa", t, d, r + c.qk_rope_head_dim, blocks),
+        Matmul("self_attn.kv_b_proj", t, r, h * (c.qk_nope_head_dim + c.v_head_dim), blocks),
+        Matmul("self_attn.o_proj", t, h * c.v_head_dim, d, blocks),
+    ]
+    dense = c.num_layers - c.num_moe_layers
+    if dense:
+        f = c.intermediate_size
+        out += [
+            Matmul("mlp.gate_proj", t, d, f, dense),
+            Matmul("mlp.up_proj", t, d, f, dense),
+            Matmul("mlp.down_proj", t, f, d, dense),
+        ]
+    e, f, rows = c.n_routed_experts, c.moe_intermediate_size, t * c.num_experts_per_tok
+    out += [
+        Matmul("mlp.gate", t, d, e, moe, fp32=True),
+        Matmul("mlp.experts.w_gate_up", rows, d, 2 * f, moe, groups=e),
+        Matmul("mlp.experts.w_down", rows, f, d, moe, groups=e),
+    ]
+    if c.n_shared_experts:
+        fs = f * c.n_shared_experts
+        out += [
+            Matmul("mlp.shared_experts.gate_proj", t, d, fs, moe),
+            Matmul("mlp.shared_experts.up_proj", t, d, fs, moe),
+            Matmul("mlp.shared_experts.down_proj", t, fs, d, moe),
+        ]
+    if c.mtp_depth:
+        out.append(Matmul("eh_proj", t, 2 * d, d, c.mtp_depth))
+    out.append(Matmul("lm_head", t, d, c.vocab_size, 1 + c.mtp_depth))  # MTP shares the head
+    return out
+
+
 # ---------------------------------------------------------------- memory per rank
 #
 # What one rank holds while training, from the config alone. Model states follow DeepSpeed

@@ -78,7 +78,7 @@ def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, 
 
 
 def cmd_count(args: argparse.Namespace) -> int:
-    from llmtrain.accounting import RUNTIME_PROVENANCE, count, memory_per_rank
+    from llmtrain.accounting import RUNTIME_PROVENANCE, count, matmuls, memory_per_rank
     from llmtrain.errors import UsageError
 
     if args.seq_len is not None and args.seq_len < 1:
@@ -101,8 +101,14 @@ def cmd_count(args: argparse.Namespace) -> int:
             mem = memory_per_rank(model_cfg, **inputs)
         except ValueError as e:
             raise ConfigError(f"--world-size/--ep-size/--zero-stage: {e}") from None
+    mms = []
+    if args.matmuls:
+        micro = args.micro_batch or (cfg.train.micro_batch_size if cfg is not None else 1)
+        mms = matmuls(model_cfg, micro * c.seq_len)
     if args.json:
         out = c.to_dict()
+        if mms:
+            out["matmuls"] = [{**m.__dict__, "train_flops": m.train_flops} for m in mms]
         if mem:
             out["memory_per_rank_bytes"] = mem
             out["memory_per_rank_inputs"] = inputs
@@ -148,13 +154,22 @@ def cmd_count(args: argparse.Namespace) -> int:
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
-    if mem:
-        print(f"runtime: {RUNTIME_PROVENANCE[args.device]}")
     print("\nper layer:  idx kind   attention       mlp total      mlp active")
     for l in c.layers:
         print(
             f"            {l.index:>3} {l.kind:<6} {_fmt(l.attn):>10} {_fmt(l.mlp_total):>14} {_fmt(l.mlp_active):>14}"
         )
+    if mms:
+        total = sum(m.train_flops for m in mms)
+        print(f"\nweight matmuls of one micro-batch ({mms[-1].m:,} tokens): forward [m, k] @ [k, n], "
+              "runs per micro-batch; backward does two of the same FLOPs; FLOPs: share of all matmuls'")  # fmt: skip
+        print(f"{'matmul':<30} {'m x k x n':>22} {'groups':>6} {'runs':>5} {'FLOPs':>7}")
+        for m in mms:
+            shape = f"{m.m}x{m.k}x{m.n}"
+            print(f"{m.name:<30} {shape:>22} {m.groups:>6} {m.count:>5} "
+                  f"{m.train_flops / total:>7.1%}{'  fp32' if m.fp32 else ''}")  # fmt: skip
+    if mem:
+        print(f"runtime: {RUNTIME_PROVENANCE[args.device]}")
     return 0
 
 
@@ -297,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training attention kernel, for its activations (default: flash-attn "
                         "on CUDA in half precision; 'fused' for SDPA's kernels, e.g. a GPU "
                         "without flash-attn)")  # fmt: skip
+    c.add_argument("--matmuls", action="store_true",
+                   help="also list every weight matmul of a micro-batch: shape, runs, FLOPs share "
+                        "(what benchmarks/gpu_profile.py --kernels times one by one)")  # fmt: skip
     c.set_defaults(func=cmd_count)
 
     t = sub.add_parser("train", help="train (one process, or under the deepspeed launcher)")

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -232,3 +233,55 @@ def test_predicted_activations_match_what_autograd_saves():
         pred = activation_bytes(cfg, b, t, "fp32", ckpt, kernel)
         assert sum(seen.values()) == pytest.approx(pred["saved"], rel=0.1)
         assert pred["peak"] > pred["saved"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.mtp_depth=1"], ["model.q_lora_rank=null"]])
+def test_matmul_inventory_is_the_models_weights_and_the_counted_flops(overrides):
+    """matmuls() lists every weight matmul the built model has, with its shape and how many
+    times it runs, and its FLOPs are count()'s less the attention terms."""
+    from collections import Counter
+
+    from llmtrain.accounting import matmuls
+    from llmtrain.model import build_model
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml", overrides).model
+    tokens = 96
+    inv = {m.name: m for m in matmuls(cfg, tokens)}
+    seen: Counter = Counter()
+    for name, p in build_model(cfg).named_parameters():
+        if p.dim() < 2 or name == "model.embed_tokens.weight":
+            continue
+        key = re.sub(r"^(model\.layers\.\d+\.|mtp\.\d+\.block\.|mtp\.\d+\.)", "", name)
+        key = key.removesuffix(".weight")
+        m = inv[key]
+        shape = (
+            (m.groups, m.k, m.n) if m.groups > 1 else (m.n, m.k)
+        )  # experts [E,K,N], Linear [N,K]
+        assert tuple(p.shape) == shape, name
+        seen[key] += 1
+    runs = {k: m.count for k, m in inv.items()}
+    assert seen == {**runs, "lm_head": 1}  # one head, which each MTP module runs again
+    assert runs["lm_head"] == 1 + cfg.mtp_depth
+    assert inv["mlp.experts.w_down"].m == tokens * cfg.num_experts_per_tok
+    n = count(cfg, seq_len=64)
+    attn = n.attn_flops_per_token / cfg.num_layers * (cfg.num_layers + cfg.mtp_depth)
+    assert sum(m.train_flops for m in inv.values()) == pytest.approx(
+        (n.flops_per_token - attn) * tokens, rel=1e-12
+    )
+
+
+def test_count_lists_the_matmuls_of_a_micro_batch(capsys):
+    """`llmtrain count --matmuls`: the same inventory, for the config's micro-batch (B × T)."""
+    cfg = load_config(ROOT / "configs" / "debug.yaml")
+    out = _count_json(capsys, ROOT / "configs" / "debug.yaml", "--matmuls", "--micro-batch", "3")
+    tokens = 3 * cfg.train.seq_len
+    mms = {m["name"]: m for m in out["matmuls"]}
+    assert mms["lm_head"]["m"] == tokens and mms["mlp.gate"]["fp32"] is True
+    assert mms["mlp.experts.w_gate_up"]["groups"] == cfg.model.n_routed_experts
+    attn = out["attn_flops_per_token"]
+    assert sum(m["train_flops"] for m in mms.values()) == pytest.approx(
+        (out["flops_per_token"] - attn) * tokens, rel=1e-12
+    )
+    assert main(["count", str(ROOT / "configs" / "debug.yaml"), "--matmuls"]) == 0
+    text = capsys.readouterr().out
+    assert "weight matmuls of one micro-batch" in text and "mlp.experts.w_down" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,7 +50,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert p.returncode == 0, log[-4000:]
     names = sorted(f.name for f in out.iterdir())
     # at most 8 files come back from the device machine
-    assert names == ["gpu_attention_moe_1b.txt", "gpu_check.log", "gpu_profile_moe_1b.txt",
+    assert names == ["gpu_check.log", "gpu_kernels_moe_1b.txt", "gpu_profile_moe_1b.txt",
                      "gpu_train_moe_100m.json", "gpu_train_moe_1b.json",
                      "gpu_train_moe_1b_eager.json", "tests_gpu.xml",
                      "tests_gpu_train.xml"], names  # fmt: skip
@@ -61,7 +62,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         # llmtrain count's prediction for the same layout (CUDA's, so not compared here)
         assert r["predicted_memory_gib"] > 0 and r["predicted_parts_gib"]["activations"] > 0, r
     summary = log[log.index("gpu_check summary") :]
-    steps = ("setup", "prepare_data", "bench_moe_1b", "bench_moe_1b_eager", "attn_kernels",
+    steps = ("setup", "prepare_data", "bench_moe_1b", "bench_moe_1b_eager", "kernels",
              "tests_gpu", "tests_gpu_train", "bench_moe_100m", "profile_moe_1b")  # fmt: skip
     for step in steps:
         assert f"\n{step} " in summary and "timeout" not in summary, summary
@@ -70,11 +71,14 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "test_nccl_world_of_one_save_resume_bf16" in summary
     profile = (out / "gpu_profile_moe_1b.txt").read_text()
     assert "fwd+bwd" in profile and "outside torch's allocator" in profile
-    # the attention kernels: SDPA's own pick ran and the padded flash kernel agreed with it
-    attn = (out / "gpu_attention_moe_1b.txt").read_text()
+    # the kernels: every weight matmul timed, SDPA's own pick ran, the padded flash kernel
+    # agreed with it, and the bound was drawn from them
+    attn = (out / "gpu_kernels_moe_1b.txt").read_text()
     assert attn in summary and "sdpa (torch's pick: math)" in attn, attn
     row = next(line for line in attn.splitlines() if line.startswith("sdpa flash, v padded"))
     assert float(row.split()[-1]) < 1e-5, attn
+    assert "mlp.experts.w_gate_up (grouped_mm)" in attn and "lm_head (" in attn, attn
+    assert re.search(r"bound: matmuls [\d.]+ ms \+ attention 3 x [\d.]+ ms", attn), attn
     assert "peak memory predicted" in summary
     # the compiled-vs-eager comparison; in smoke mode both runs are eager, hence equal
     assert "moe_1b compiled vs eager: max |loss difference| 0.0000 over 3 steps" in summary
