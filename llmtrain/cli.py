@@ -154,6 +154,8 @@ def cmd_count(args: argparse.Namespace) -> int:
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
+    if mem:
+        print(f"runtime: {RUNTIME_PROVENANCE[args.device]}")
     print("\nper layer:  idx kind   attention       mlp total      mlp active")
     for l in c.layers:
         print(
@@ -168,8 +170,6 @@ def cmd_count(args: argparse.Namespace) -> int:
             shape = f"{m.m}x{m.k}x{m.n}"
             print(f"{m.name:<30} {shape:>22} {m.groups:>6} {m.count:>5} "
                   f"{m.train_flops / total:>7.1%}{'  fp32' if m.fp32 else ''}")  # fmt: skip
-    if mem:
-        print(f"runtime: {RUNTIME_PROVENANCE[args.device]}")
     return 0
 
 
