@@ -126,6 +126,13 @@ def main() -> None:
         outside = (total - free - torch.cuda.memory_reserved()) / 2**20
         stated = RUNTIME_BYTES["cuda"] / 2**20
         runtime = f"{outside:.0f} MiB (llmtrain count assumes {stated:.0f})"
+    kinds: dict[str, float] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+            k = kernel_kind(e.key)
+            kinds[k] = kinds.get(k, 0.0) + e.self_device_time_total / args.steps
+    by_kind = ", ".join(f"{k} {us / 1e3:.1f} ms ({us / 1e6 / dt:.0%})"
+                        for k, us in sorted(kinds.items(), key=lambda kv: -kv[1]))  # fmt: skip
     lines = [
         f"config {Path(args.config).name} ({'compiled' if args.compile else 'eager'}): "
         f"{tokens} tokens/micro-batch, fwd+bwd {dt * 1e3:.1f} ms, "
@@ -133,11 +140,34 @@ def main() -> None:
         f"({flops / dt / 989e12:.1%} of 989), GPU busy {gpu_us / 1e6 / dt:.0%} of the step, "
         f"peak memory {peak_gib:.1f} GiB",
         f"CUDA memory outside torch's allocator (context, kernels, workspaces): {runtime}",
+        f"GPU kernel time per fwd+bwd by kind: {by_kind or 'n/a (no CUDA kernels)'}",
         events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60),
     ]
     text = "\n".join(lines)
     print(text)
     _write(args, text, "gpu_profile")
+
+
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("communication", ("nccl",)),
+    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "grouped_mm", "triton_tem")),
+    ("fused (triton)", ("triton_",)),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    ("eager elementwise/reduce", ("elementwise", "vectorized", "reduce", "softmax", "norm")),
+    ("index/sort/scatter", ("index", "scatter", "gather", "sort", "radix", "cub::")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a CUDA kernel does, from its name (cuBLAS/CUTLASS GEMMs, cuDNN/flash attention,
+    Inductor's Triton kernels, ATen's eager kernels), so the profile says how much of the step
+    is matmul and attention (what --kernels bounds) and how much is everything else."""
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
 
 
 def _out_path(args, kind: str) -> str:
@@ -303,7 +333,7 @@ def kernel_tables(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
             floor = mm_s + blocks * at_s
             yield (f"bound: matmuls {mm_s * 1e3:.1f} ms + attention {blocks} x {at_s * 1e3:.2f} ms "
                    f"= {floor * 1e3:.1f} ms per micro-batch with every other kernel free: "
-                   f"<= {tokens / floor:,.0f} tokens/s, MFU <= {flops / floor / PEAK_BF16:.1%} "
+                   f"<= {tokens / floor:,.0f} tokens/s, MFU <= {100 * flops / floor / PEAK_BF16:.3g}% "
                    f"of 989 TFLOP/s (matmuls alone {totals['matmul_flops'] / mm_s / 1e12:.0f} "
                    f"TFLOP/s)")  # fmt: skip
 

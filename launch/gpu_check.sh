@@ -241,12 +241,19 @@ for i in "${!NAMES[@]}"; do
   [[ "${RCS[$i]}" == "0" || "${RCS[$i]}" == "skip" ]] || fail=1  # skip: GPU_CHECK_SKIP
 done
 $PY - "$OUT" <<'EOF' || true
-import json, sys, xml.etree.ElementTree as ET
+import json, re, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
 a = out / "gpu_kernels_moe_1b.txt"
+bound = None
 if a.exists():
-    print("\n" + a.read_text().rstrip())
+    text = a.read_text().rstrip()
+    print("\n" + text)
+    m = re.search(r"MFU <= ([\d.e+-]+)%", text)
+    bound = float(m.group(1)) / 100 if m else None
+p = out / "gpu_profile_moe_1b.txt"
+if p.exists():  # the profile's headline lines (its kernel table is in the file)
+    print("\nprofile: " + "\n".join(p.read_text().splitlines()[:3]))
 xs = [x for x in (out / "tests_gpu.xml", out / "tests_gpu_train.xml") if x.exists()]
 if xs:
     print("\ntests/gpu:")
@@ -279,6 +286,10 @@ if rows:
             print(f"  compile failed, ran eager: {r['compile_error'].strip().splitlines()[-1][:120]}")
     by = {r["name"]: r for r in rows}
     c, e = by.get("moe_1b", {}), by.get("moe_1b_eager", {})
+    if bound and isinstance(c.get("mfu"), (int, float)):  # how far the step is from its kernels
+        print(f"moe_1b MFU {100 * c['mfu']:.3g}% against the kernels' bound {100 * bound:.3g}%: "
+              f"{c['mfu'] / bound:.0%} of it (the rest: kernels other than matmul and attention, "
+              f"gaps, the optimizer)")
     a, b = c.get("losses") or [], e.get("losses") or []
     if c.get("compile_error"):
         print("moe_1b compiled vs eager: no comparison, the compiled run fell back to eager")

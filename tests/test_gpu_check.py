@@ -79,6 +79,39 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert float(row.split()[-1]) < 1e-5, attn
     assert "mlp.experts.w_gate_up (grouped_mm)" in attn and "lm_head (" in attn, attn
     assert re.search(r"bound: matmuls [\d.]+ ms \+ attention 3 x [\d.]+ ms", attn), attn
+    # the profile's kernel time by kind (none on CPU) and the step against the bound
+    assert "GPU kernel time per fwd+bwd by kind: n/a" in profile and "\nprofile: config" in summary
+    assert re.search(
+        r"moe_1b MFU [\d.e-]+% against the kernels' bound [\d.e-]+%: \d+% of it", summary
+    )
     assert "peak memory predicted" in summary
     # the compiled-vs-eager comparison; in smoke mode both runs are eager, hence equal
     assert "moe_1b compiled vs eager: max |loss difference| 0.0000 over 3 steps" in summary
+
+
+def test_profile_sorts_cuda_kernels_by_kind():
+    """The profile splits GPU time by kernel kind from kernel names as torch 2.11 on an H200
+    names them: what is matmul and attention (the --kernels bound) and what is everything else."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_profile import kernel_kind
+
+    cases = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<": "matmul",
+        "triton_tem_fused_mm_0": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention",
+        "triton_tem_fused_flex_attention_0": "attention",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused (triton)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<": (
+            "eager elementwise/reduce"
+        ),
+        "void at::native::(anonymous namespace)::indexFuncLargeIndex<c10::BFloat16>": (
+            "index/sort/scatter"
+        ),
+        "Memcpy DtoD (Device -> Device)": "copy/fill",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+        "some_new_kernel": "other",
+    }
+    assert {n: kernel_kind(n) for n in cases} == cases
