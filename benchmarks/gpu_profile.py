@@ -5,8 +5,9 @@
 
 Builds the model as DeepSpeed's bf16 engine would hold it (bf16 parameters, fp32 routing state),
 runs warm-up steps, then profiles a few with torch.profiler and prints the top CUDA kernels /
-ops (of the compiled blocks with --compile, as train.compile=true runs them), the step time, the achieved TFLOP/s against the config's FLOPs per token, and how much of
-the step the GPU sat idle (host-bound). Writes the table to --out (default
+ops (of the compiled blocks with --compile, as train.compile=true runs them), the step time, the achieved TFLOP/s against the config's FLOPs per token, how much of
+the step the GPU sat idle (host-bound), and the GPU time by kernel kind (matmul, attention,
+Inductor's fused kernels, eager ATen kernels, index/sort, copies, communication). Writes the table to --out (default
 $OUT/gpu_profile_<config>.txt when $OUT is set). Needs CUDA.
 
 --kernels instead times the step's kernels one by one at the config's shapes (B=--micro, T=--seq),
