@@ -24,7 +24,7 @@ forward + backward in bf16, with fresh random inputs, in three tables:
    ms, TFLOP/s (the accounting's convention: causal, backward = 2 x forward) and the largest
    output difference from SDPA's own pick; a kernel that cannot run says why. This picks
    attn_backend on a new GPU.
-Between tables 2 and 3 a line bounds the step: matmuls at their measured rates plus SDPA's
+After SDPA's own row in table 3 a line bounds the step: matmuls at their measured rates plus SDPA's
 attention, with every other kernel (norms, RoPE, routing, permutation, loss, optimizer) free.
 The MFU no code change can beat without faster GEMM or attention kernels, or other shapes.
 """
@@ -149,22 +149,29 @@ def main() -> None:
     _write(args, text, "gpu_profile")
 
 
-KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+KERNEL_KINDS = (  # (kind, substrings of an ATen/library CUDA kernel's name), first match wins
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "grouped_mm", "triton_tem")),
-    ("fused (triton)", ("triton_",)),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
     ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    ("index/sort/scatter", ("index", "scatter", "gather", "sort", "radix", "cub::", "embedding")),
     ("eager elementwise/reduce", ("elementwise", "vectorized", "reduce", "softmax", "norm")),
-    ("index/sort/scatter", ("index", "scatter", "gather", "sort", "radix", "cub::")),
 )
 
 
 def kernel_kind(name: str) -> str:
     """What a CUDA kernel does, from its name (cuBLAS/CUTLASS GEMMs, cuDNN/flash attention,
     Inductor's Triton kernels, ATen's eager kernels), so the profile says how much of the step
-    is matmul and attention (what --kernels bounds) and how much is everything else."""
+    is matmul and attention (what --kernels bounds) and how much is everything else.
+
+    Inductor names a fused kernel after the ops it feeds (`triton_poi_fused__grouped_mm_mul_silu`
+    is elementwise work around a GEMM), so Triton kernels are sorted first: only its templates
+    (`triton_tem_`) are matmuls, or attention for FlexAttention's."""
     low = name.lower()
+    if low.startswith("triton_"):
+        if low.startswith("triton_tem_"):
+            return "attention" if "attention" in low else "matmul"
+        return "fused (triton)"
     for kind, keys in KERNEL_KINDS:
         if any(k in low for k in keys):
             return kind
@@ -305,7 +312,7 @@ def matmul_rows(cfg, tokens: int, dev: str, sync, deadline: float, totals: dict)
 
 
 def kernel_tables(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
-    """Yields the --kernels tables' lines (module docstring), the bound between tables 2 and 3."""
+    """Yields the --kernels tables' lines (module docstring), the bound after SDPA's own row."""
     from llmtrain.accounting import count
 
     c = cfg.model
@@ -345,8 +352,9 @@ def attention_table(
     """Yields the table's lines, one row per attention kernel at the config's shapes: fwd+bwd ms,
     TFLOP/s, max |out - SDPA's pick|.
 
-    Each candidate runs 2 warm-up and 5 timed forward + backward passes; one that raises (no such
-    kernel here, a shape it refuses) reports the first line of why. Compiled FlexAttention comes
+    Each candidate's forward + backward is timed by `_bench` (2 warm-ups, median of 5 runs of
+    back-to-back calls lasting at least 5 ms); one that raises (no such kernel here, a shape it
+    refuses) reports the first line of why. Compiled FlexAttention comes
     last because its compilation (forward and backward) takes the longest: it is not started
     with less than 40 s to `deadline` (monotonic seconds), other rows with less than 5 s.
     totals["attention_s"]: seconds of SDPA's own pick, forward + backward (None if it failed)."""
@@ -407,7 +415,7 @@ def attention_table(
         ("flex compiled, causal", lambda q, k, v: _flex(q, k, v, scale, causal, compiled), 1.0),
     ]  # fmt: skip
     yield (f"attention kernels, {'bf16' if dt == torch.bfloat16 else 'fp32'} on {dev}: B={b} "
-           f"H={h} T={t} qk={e} v={vd}, causal; forward + backward, median of 5")  # fmt: skip
+           f"H={h} T={t} qk={e} v={vd}, causal; forward + backward, median of 5 timings")  # fmt: skip
     yield f"{'kernel':<42} {'ms':>8} {'TFLOP/s':>8} {'max|out - sdpa|':>16}"
     ref = None
     totals = {} if totals is None else totals
@@ -419,17 +427,14 @@ def attention_table(
             continue
         try:
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            times = []
-            for i in range(7):
-                sync()
-                t0 = time.perf_counter()
-                out = fn(qq, kk, vv)
-                torch.autograd.grad(out, (qq, kk, vv), dout)  # no .grad accumulation timed
-                sync()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            ms = sorted(times)[len(times) // 2] * 1e3
-            out = out.detach().float()
+
+            def run(fn=fn, qq=qq, kk=kk, vv=vv):
+                o = fn(qq, kk, vv)
+                torch.autograd.grad(o, (qq, kk, vv), dout)  # no .grad accumulation timed
+                return o
+
+            ms = _bench(run, sync) * 1e3  # back to back, as the matmul rows: no launch gaps
+            out = run().detach().float()
             if ref is None:
                 ref = out
             # the document-masked row computes other attention: no difference to show

@@ -104,6 +104,15 @@ def test_profile_sorts_cuda_kernels_by_kind():
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention",
         "triton_tem_fused_flex_attention_0": "attention",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused (triton)",
+        # Inductor names fused kernels after the ops they feed: elementwise work, not GEMM or SDPA
+        "triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_cat_cos_sin_2": (
+            "fused (triton)"
+        ),
+        "triton_poi_fused__grouped_mm_mul_silu_3": "fused (triton)",
+        "void at::native::index_elementwise_kernel<128, 4>": "index/sort/scatter",
+        "void at::native::embedding_backward_feature_kernel<float, float, long>": (
+            "index/sort/scatter"
+        ),
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<": (
             "eager elementwise/reduce"
         ),
@@ -115,3 +124,47 @@ def test_profile_sorts_cuda_kernels_by_kind():
         "some_new_kernel": "other",
     }
     assert {n: kernel_kind(n) for n in cases} == cases
+
+
+def test_kernels_bound_adds_every_matmul_and_attention_per_block(monkeypatch):
+    """The bound line's arithmetic, with known kernel times: each matmul's time x its runs (the
+    LM head x its chunks, MTP's head included), plus SDPA's time x (layers + MTP blocks), and the
+    MFU of that floor against count()'s FLOPs, as the training MFU counts them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_profile
+    import torch
+
+    from llmtrain.accounting import count, matmuls
+    from llmtrain.config import load_config
+    from llmtrain.model.loss import _chunk_rows
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml", ["model.mtp_depth=1"])
+    c, micro, seq = cfg.model, 3, 2000  # 6,000 tokens: the LM head runs in 1.46 chunks on CPU
+    per_row = {m.name: 1e-3 * (i + 1) for i, m in enumerate(matmuls(c, micro * seq))}
+
+    def fake_attention(cfg, micro, seq, dev, sync, deadline, totals):
+        totals["attention_s"] = 0.5e-3
+        yield "sdpa (stub)"
+
+    monkeypatch.setattr(gpu_profile, "ceiling_rows", lambda dev, sync: iter(()))
+    monkeypatch.setattr(gpu_profile, "_matmul_seconds",
+                        lambda m, rows, dev, dt, sync: (per_row[m.name], "stub"))  # fmt: skip
+    monkeypatch.setattr(gpu_profile, "attention_table", fake_attention)
+    lines = list(gpu_profile.kernel_tables(cfg, micro, seq, "cpu", lambda: None, 1e18))
+    bound = next(line for line in lines if line.startswith("bound:"))
+
+    tokens = micro * seq
+    chunk = min(tokens, _chunk_rows(c.vocab_size, torch.device("cpu")))
+    want = sum(per_row[m.name] * (m.count * tokens / chunk if m.name == "lm_head" else m.count)
+               for m in matmuls(c, tokens))  # fmt: skip
+    blocks = c.num_layers + c.mtp_depth
+    floor = want + blocks * 0.5e-3
+    mfu = count(c, seq_len=seq).flops_per_token * tokens / floor / gpu_profile.PEAK_BF16
+    m = re.search(r"matmuls ([\d.]+) ms \+ attention (\d+) x ([\d.]+) ms = ([\d.]+) ms.*"
+                  r"MFU <= ([\d.e+-]+)%", bound)  # fmt: skip
+    assert m, bound
+    assert float(m.group(1)) == pytest.approx(want * 1e3, abs=0.06), bound
+    assert int(m.group(2)) == blocks == 4 and float(m.group(3)) == pytest.approx(0.5)
+    assert chunk < tokens
+    assert float(m.group(4)) == pytest.approx(floor * 1e3, abs=0.06), bound
+    assert float(m.group(5)) == pytest.approx(100 * mfu, rel=1e-2), bound
