@@ -200,6 +200,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from llmtrain.eval import format_results, run_eval
 
+    if args.watch:
+        from llmtrain.eval.watch import watch
+
+        def show(r: dict) -> None:
+            metrics = {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/")}
+            print(f"step {r['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+                  flush=True)  # fmt: skip
+
+        watch(args.model, args.tasks, poll=args.poll, until_step=args.until_step,
+              timeout=args.idle_timeout, out=args.out, on_result=show,
+              include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
+              device=args.device, dtype=args.dtype, max_length=args.max_length)  # fmt: skip
+        return 0
     res = run_eval(args.model, args.tasks, include_path=args.include_path, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                    max_length=args.max_length)  # fmt: skip
@@ -455,7 +468,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length in tokens (default: the model's maximum positions); "
                          "the run's train.seq_len gives periodic evaluation's scores")  # fmt: skip
     ev.add_argument("--json", action="store_true", help="print the results as JSON")
-    ev.add_argument("--out", help="also write the full results JSON here")
+    ev.add_argument(
+        "--out",
+        help="also write the full results JSON here (with --watch: the "
+        "JSON-lines file, default RUN/eval_watch.jsonl)",
+    )
+    ev.add_argument("--watch", action="store_true",
+                    help="MODEL is a run directory: evaluate each checkpoint as it lands, outside "
+                         "the training job, until the run's last step is evaluated")  # fmt: skip
+    ev.add_argument("--poll", type=float, default=60.0, help="--watch: seconds between looks")
+    ev.add_argument("--until-step", type=int, default=None,
+                    help="--watch: stop after this step (default: the run's train.max_steps)")  # fmt: skip
+    ev.add_argument("--idle-timeout", type=float, default=None,
+                    help="--watch: stop after this many seconds without a new checkpoint")  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("checkpoint", help="checkpoint tools")

@@ -305,3 +305,44 @@ def test_periodic_generation_task_checked_before_training(tmp_path, gen, needle)
     check_tasks(["llmtrain_gen"], 64)  # the shipped task fits
     with pytest.raises(EvalError, match=f"task my_gen: .*{needle}"):
         check_tasks(["my_gen"], 64, [str(mine)])
+
+
+def test_watch_evaluates_each_checkpoint_as_it_lands_as_training_did(tmp_path, capsys):
+    """`llmtrain eval RUN --watch`, started before training, scores each checkpoint as it
+    lands, out of the training job, exactly as periodic evaluation scored the same steps inside
+    it, and stops at the run's last step; restarted, it skips what it did; a run directory
+    that never gets a checkpoint times out; a checkpoint is not a run directory."""
+    import threading
+
+    from llmtrain.eval.watch import RESULTS_FILE, watch
+
+    run = tmp_path / "run"
+    seq_len = load_config(ROOT / "configs" / "debug.yaml").train.seq_len
+    args = ["eval", str(run), "--watch", "--tasks", "llmtrain_ppl", "--limit", "4",
+            "--max-length", str(seq_len), "--poll", "0.2", "--idle-timeout", "600"]  # fmt: skip
+    result: dict = {}
+    watcher = threading.Thread(target=lambda: result.setdefault("rc", main(args)), daemon=True)
+    watcher.start()  # before the run directory exists
+    recs, _ = _eval_run(tmp_path, "run", 1, "train.eval_tasks=[llmtrain_ppl]",
+                        "train.eval_tasks_limit=4", "train.save_every=2",
+                        "train.keep_last=5")  # fmt: skip
+    watcher.join(timeout=300)
+    assert not watcher.is_alive() and result["rc"] == 0  # returned: step 4 is train.max_steps
+    shown = capsys.readouterr().out
+    rows = [json.loads(line) for line in (run / RESULTS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and "step 2: llmtrain_ppl/" in shown
+    periodic = {r["step"]: r for r in recs if "eval/llmtrain_ppl/word_perplexity" in r}
+    assert sorted(periodic) == [2, 4]
+    for r in rows:
+        keys = {k for k in r if k.startswith("eval/")}
+        assert keys and keys == {k for k in periodic[r["step"]] if k.startswith("eval/")}
+        for k in keys:
+            assert r[k] == pytest.approx(periodic[r["step"]][k], rel=1e-5), (r["step"], k)
+    assert len({r["eval/llmtrain_ppl/word_perplexity"] for r in rows}) == 2  # the steps differ
+    assert any((run / "tensorboard" / "eval_watch").iterdir())
+    # restarted: nothing new to do, and it still ends at the run's last step
+    assert main(args) == 0
+    assert len((run / RESULTS_FILE).read_text().splitlines()) == 2
+    assert watch(tmp_path / "never", ["llmtrain_ppl"], poll=0.05, timeout=0.2) == []
+    with pytest.raises(EvalError, match="not a run directory"):
+        watch(run / "checkpoints" / "step_00000004", ["llmtrain_ppl"], timeout=0)
