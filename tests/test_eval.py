@@ -346,3 +346,42 @@ def test_watch_evaluates_each_checkpoint_as_it_lands_as_training_did(tmp_path, c
     assert watch(tmp_path / "never", ["llmtrain_ppl"], poll=0.05, timeout=0.2) == []
     with pytest.raises(EvalError, match="not a run directory"):
         watch(run / "checkpoints" / "step_00000004", ["llmtrain_ppl"], timeout=0)
+
+
+def test_watch_skips_a_checkpoint_deleted_before_its_turn_and_saves_in_progress(
+    tmp_path, monkeypatch, caplog
+):
+    """keep_last may delete a checkpoint while the watcher evaluates it: skipped with a
+    warning, the watcher goes on; a save in progress (step_N.tmp) is never evaluated; an
+    evaluation that fails on a checkpoint still there is an error, not a skip."""
+    import llmtrain.eval.watch as w
+    from llmtrain.checkpoint.format import INDEX_FILE
+
+    ckdir = tmp_path / "run" / "checkpoints"
+    for name, step in (("step_00000002", 2), ("step_00000004", 4), ("step_00000006.tmp", 6)):
+        (ckdir / name).mkdir(parents=True)
+        for f in (INDEX_FILE, ".metadata"):
+            (ckdir / name / f).write_text("{}")
+        (ckdir / name / "state.json").write_text(json.dumps({"step": step}))
+    seen = []
+
+    def fake_eval(ck, tasks, **kw):
+        seen.append(ck.name)
+        if ck.name == "step_00000002":  # the trainer's prune, mid-evaluation
+            shutil.rmtree(ck)
+            raise FileNotFoundError(ck / "model.safetensors")
+        return {"results": {"t": {"acc,none": 0.5}}}
+
+    monkeypatch.setattr(w, "run_eval", fake_eval)
+    monkeypatch.setattr(w.time, "sleep", lambda s: None)
+    with caplog.at_level("WARNING"):
+        rows = w.watch(tmp_path / "run", ["t"], poll=0, until_step=4)
+    assert seen == ["step_00000002", "step_00000004"] and [r["step"] for r in rows] == [4]
+    assert rows[0]["eval/t/acc"] == 0.5 and "deleted (train.keep_last)" in caplog.text
+
+    def broken_eval(ck, tasks, **kw):
+        raise RuntimeError("a real failure")
+
+    monkeypatch.setattr(w, "run_eval", broken_eval)
+    with pytest.raises(RuntimeError, match="a real failure"):
+        w.watch(tmp_path / "run", ["t"], poll=0, until_step=4, limit=3)  # another key: redo
