@@ -3,10 +3,10 @@
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
 # configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), the
 # step's kernels timed one by one at the 1B shapes (the device's matmul and copy ceilings, every
-# weight matmul, the attention kernels: which one attn_backend should take, and the MFU bound that
-# those kernels leave), and a kernel profile of the compiled 1B model's step. Every step has a timeout and
-# the whole run a budget; a summary table is printed at the end and everything is written under
-# $OUT (default ./gpu_check_out).
+# weight matmul, the attention kernels: which one attn_backend should take, and the MFU bound
+# that those kernels leave), and a kernel profile of the compiled 1B model's step. Every step
+# has a timeout and the whole run a budget; a summary table is printed at the end and
+# everything is written under $OUT (default ./gpu_check_out).
 #
 #   bash launch/gpu_check.sh --prepare-wheels   # on a machine WITH a package registry: puts
 #                                               # DeepSpeed and its missing deps into .whl/
@@ -208,9 +208,10 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
 # 0.19.8 should the image hold another version)
 export PYTHONPATH=$PYTHONPATH:$SITE
 # Order: the MFU figure first (compiled: should compilation fail, gpu_train.py reruns eager and
-# says so) and the same run eager (speed-up, and the loss curves compared), the kernels timed one
-# by one (cheap; they bound the MFU and decide attn_backend), then correctness in two steps (-v: each result is logged
-# as it finishes, should the step run out of time): the kernel tests, then the training ones
+# says so) and the same run eager (speed-up, and the loss curves compared), the kernels timed
+# one by one (cheap; they bound the MFU and decide attn_backend), then correctness in two steps
+# (-v: each result is logged as it finishes, should the step run out of time): the kernel
+# tests, then the training ones
 # (bf16 vs fp32, NCCL save/resume), then the 100M figure and the profile. A step with less
 # budget left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
