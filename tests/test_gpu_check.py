@@ -168,3 +168,20 @@ def test_kernels_bound_adds_every_matmul_and_attention_per_block(monkeypatch):
     assert chunk < tokens
     assert float(m.group(4)) == pytest.approx(floor * 1e3, abs=0.06), bound
     assert float(m.group(5)) == pytest.approx(100 * mfu, rel=1e-2), bound
+
+
+@pytest.mark.slow
+def test_gpu_check_fails_a_step_the_budget_leaves_out_and_says_how_to_rerun(tmp_path):
+    """A step the budget cannot fit fails the check (no figure is not a pass), and the summary
+    ends with the rerun that leaves out what passed (set-up and data always run again)."""
+    out = tmp_path / "out"
+    done = "bench_moe_1b bench_moe_1b_eager kernels tests_gpu tests_gpu_train bench_moe_100m"
+    env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
+               LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="45",
+               GPU_CHECK_SKIP=done, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
+    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    log = p.stdout + p.stderr
+    assert p.returncode == 1, log[-3000:]
+    assert re.search(r"\nprofile_moe_1b +no-time", log), log[-3000:]
+    assert f'rerun the rest: GPU_CHECK_BUDGET=180 GPU_CHECK_SKIP="{done}"' in log, log[-1500:]
