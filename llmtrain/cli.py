@@ -204,14 +204,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from llmtrain.eval.watch import watch
 
         def show(r: dict) -> None:
-            metrics = {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/")}
-            print(f"step {r['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-                  flush=True)  # fmt: skip
+            metrics = {k: v for k, v in r.items() if k.startswith("eval/")}
+            if args.json:
+                print(json.dumps({"step": r["step"], **metrics}), flush=True)
+                return
+            print(f"step {r['step']}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}"
+                                                    for k, v in metrics.items()), flush=True)  # fmt: skip
 
-        watch(args.model, args.tasks, poll=args.poll, until_step=args.until_step,
-              timeout=args.idle_timeout, out=args.out, on_result=show,
-              include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
-              device=args.device, dtype=args.dtype, max_length=args.max_length)  # fmt: skip
+        res = watch(args.model, args.tasks, poll=args.poll, until_step=args.until_step,
+                    timeout=args.idle_timeout, out=args.out, on_result=show,
+                    include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
+                    device=args.device, dtype=args.dtype, max_length=args.max_length)  # fmt: skip
+        if not res.finished:
+            print(f"stopped: no new checkpoint for {args.idle_timeout:.0f} s before the run's "
+                  "last step", file=sys.stderr)  # fmt: skip
+            return 1
         return 0
     res = run_eval(args.model, args.tasks, include_path=args.include_path, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, dtype=args.dtype,
@@ -467,7 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-length", type=int, default=None,
                     help="context length in tokens (default: the model's maximum positions); "
                          "the run's train.seq_len gives periodic evaluation's scores")  # fmt: skip
-    ev.add_argument("--json", action="store_true", help="print the results as JSON")
+    ev.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as JSON (with --watch: a JSON line per checkpoint)",
+    )
     ev.add_argument(
         "--out",
         help="also write the full results JSON here (with --watch: the "
@@ -480,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--until-step", type=int, default=None,
                     help="--watch: stop after this step (default: the run's train.max_steps)")  # fmt: skip
     ev.add_argument("--idle-timeout", type=float, default=None,
-                    help="--watch: stop after this many seconds without a new checkpoint")  # fmt: skip
+                    help="--watch: give up (exit 1) after this many seconds without a new "
+                         "checkpoint; default: wait as long as the run lasts")  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("checkpoint", help="checkpoint tools")

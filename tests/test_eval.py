@@ -343,45 +343,96 @@ def test_watch_evaluates_each_checkpoint_as_it_lands_as_training_did(tmp_path, c
     # restarted: nothing new to do, and it still ends at the run's last step
     assert main(args) == 0
     assert len((run / RESULTS_FILE).read_text().splitlines()) == 2
-    assert watch(tmp_path / "never", ["llmtrain_ppl"], poll=0.05, timeout=0.2) == []
+    never = watch(tmp_path / "never", ["llmtrain_ppl"], poll=0.05, timeout=0.2)
+    assert never.rows == [] and not never.finished
     with pytest.raises(EvalError, match="not a run directory"):
         watch(run / "checkpoints" / "step_00000004", ["llmtrain_ppl"], timeout=0)
 
 
-def test_watch_skips_a_checkpoint_deleted_before_its_turn_and_saves_in_progress(
-    tmp_path, monkeypatch, caplog
-):
-    """keep_last may delete a checkpoint while the watcher evaluates it: skipped with a
-    warning, the watcher goes on; a save in progress (step_N.tmp) is never evaluated; an
-    evaluation that fails on a checkpoint still there is an error, not a skip."""
-    import llmtrain.eval.watch as w
+def _fake_run(tmp_path, steps, **train):
+    """A run directory with hand-made complete checkpoints (and step_N.tmp saves in progress)
+    whose config says `train` (max_steps, save_every, save_final)."""
+    import yaml
+
     from llmtrain.checkpoint.format import INDEX_FILE
 
+    cfg = yaml.safe_load((ROOT / "configs" / "debug.yaml").read_text())
+    cfg["train"].update(train)
     ckdir = tmp_path / "run" / "checkpoints"
-    for name, step in (("step_00000002", 2), ("step_00000004", 4), ("step_00000006.tmp", 6)):
-        (ckdir / name).mkdir(parents=True)
+    for name in steps:
+        d = ckdir / name
+        d.mkdir(parents=True)
         for f in (INDEX_FILE, ".metadata"):
-            (ckdir / name / f).write_text("{}")
-        (ckdir / name / "state.json").write_text(json.dumps({"step": step}))
+            (d / f).write_text("{}")
+        (d / "state.json").write_text(json.dumps({"step": int(name[5:13]), "loss": 1.0}))
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "run"
+
+
+def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, caplog):
+    """With a stub evaluation: keep_last deleting a checkpoint mid-evaluation skips it; a save
+    in progress (step_N.tmp) is never read; a step saved again with other weights is scored
+    again; until_step bounds what is scored; a real failure is an error, not a skip; a row cut
+    short by a crash does not stop a restart; a second watcher on the same file is refused."""
+    import llmtrain.eval.watch as w
+
+    run = _fake_run(tmp_path, ["step_00000002", "step_00000004", "step_00000006",
+                               "step_00000008.tmp"], max_steps=6)  # fmt: skip
+    ckdir = run / "checkpoints"
     seen = []
 
     def fake_eval(ck, tasks, **kw):
-        seen.append(ck.name)
-        if ck.name == "step_00000002":  # the trainer's prune, mid-evaluation
-            shutil.rmtree(ck)
+        name = ck.name[:13]
+        seen.append(name)
+        assert ck.parent.name == ".eval_watch"  # a hard-linked snapshot, not the checkpoint
+        if name == "step_00000002":  # the trainer's prune, mid-evaluation
+            shutil.rmtree(ckdir / name)
             raise FileNotFoundError(ck / "model.safetensors")
-        return {"results": {"t": {"acc,none": 0.5}}}
+        return {"results": {"t": {"acc,none": float(name[-1])}}}
 
     monkeypatch.setattr(w, "run_eval", fake_eval)
+    monkeypatch.setattr(w, "task_manager", lambda tasks, include=None: None)
     monkeypatch.setattr(w.time, "sleep", lambda s: None)
     with caplog.at_level("WARNING"):
-        rows = w.watch(tmp_path / "run", ["t"], poll=0, until_step=4)
-    assert seen == ["step_00000002", "step_00000004"] and [r["step"] for r in rows] == [4]
-    assert rows[0]["eval/t/acc"] == 0.5 and "deleted (train.keep_last)" in caplog.text
+        res = w.watch(run, ["t"], poll=0, until_step=4)
+    assert seen == ["step_00000002", "step_00000004"] and [r["step"] for r in res.rows] == [4]
+    assert res.finished and "deleted or saved again" in caplog.text
+    # the rest up to the run's last step (max_steps 6), not the .tmp save of step 8
+    res = w.watch(run, ["t"], poll=0)
+    assert [r["step"] for r in res.rows] == [6] and res.finished
+    assert res.rows[0]["eval/t/acc"] == 6.0 and not list((run / ".eval_watch").iterdir())
+    # a resumed run saves step 6 again with other weights: scored again; a cut-short row is
+    # skipped on reading
+    (ckdir / "step_00000006" / "state.json").write_text(json.dumps({"step": 6, "loss": 0.5}))
+    with open(run / w.RESULTS_FILE, "a") as f:
+        f.write('{"step": 6, "tas')
+    res = w.watch(run, ["t"], poll=0)
+    assert [r["step"] for r in res.rows] == [6] and "not JSON" in caplog.text
+    assert w.watch(run, ["t"], poll=0).rows == []  # nothing new
+    assert len(w.watch(run, ["t"], poll=0, dtype="bfloat16").rows) == 2  # another key: again
 
     def broken_eval(ck, tasks, **kw):
         raise RuntimeError("a real failure")
 
     monkeypatch.setattr(w, "run_eval", broken_eval)
     with pytest.raises(RuntimeError, match="a real failure"):
-        w.watch(tmp_path / "run", ["t"], poll=0, until_step=4, limit=3)  # another key: redo
+        w.watch(run, ["t"], poll=0, limit=3)
+    lock = w._lock(run / w.RESULTS_FILE)
+    with pytest.raises(EvalError, match="another watcher"):
+        w.watch(run, ["t"], poll=0)
+    lock.close()
+
+
+def test_watch_stops_at_the_last_step_the_run_saves(tmp_path, monkeypatch):
+    """save_final: false saves the last multiple of save_every, not max_steps: the watcher stops
+    there; a run that never gets there times out, unfinished."""
+    import llmtrain.eval.watch as w
+
+    run = _fake_run(tmp_path, ["step_00000003"], max_steps=4, save_every=3, save_final=False)
+    monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: {"results": {"t": {"a": 1.0}}})
+    monkeypatch.setattr(w, "task_manager", lambda tasks, include=None: None)
+    assert w.last_saved_step(run / "checkpoints" / "step_00000003") == 3
+    res = w.watch(run, ["t"], poll=0.01, timeout=5)
+    assert res.finished and [r["step"] for r in res.rows] == [3]
+    res = w.watch(run, ["t"], poll=0.01, timeout=0.1, until_step=9)
+    assert not res.finished and res.rows == []

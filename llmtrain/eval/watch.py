@@ -6,54 +6,124 @@ CPU. Each complete checkpoint is evaluated once, in step order, through the same
 eval` (export to a temporary Hugging Face directory, stock transformers, the harness), and one JSON
 line per checkpoint is appended to `RUN/eval_watch.jsonl` (metrics named as the trainer's
 `eval/TASK/METRIC`) and, when tensorboard is installed, written at the checkpoint's step under
-`RUN/tensorboard/eval_watch`. It may start before the training job has made the run directory. A
-restarted watcher skips the checkpoints already in its file with the same tasks, limit and context
-length. A checkpoint that the trainer's `keep_last` deletes before its turn is skipped with a
-warning. The watcher returns once it has evaluated the run's last step (`train.max_steps` of the
-checkpoint's config), or `until_step`, or after `timeout` seconds without a new checkpoint.
+`RUN/tensorboard/eval_watch`. It may start before the training job has made the run directory.
+
+Against the trainer's saves (llmtrain.train.checkpointing: step_N.tmp renamed to step_N when
+complete; keep_last's rmtree; a resumed run saving a step again) the watcher evaluates a snapshot:
+the checkpoint's files hard-linked under RUN/.eval_watch/ (same filesystem, no copy), which no
+later delete or re-save can change. A checkpoint deleted before its snapshot is skipped with a
+warning. Rows carry the checkpoint's identity (a hash of its state.json), so a restarted watcher
+skips what it scored with the same tasks, limit, context length, dtype and task folders, and a
+step saved again with other weights is scored again. One watcher per results file (a lock).
+
+It returns once it has scored the last step the run will save (`train.max_steps`, or the last
+multiple of `save_every` with `save_final: false`), or `until_step`; after `timeout` seconds
+without a new checkpoint it gives up (`finished` false).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmtrain.checkpoint.format import is_legacy, is_sharded
-from llmtrain.eval import EvalError, flat_metrics, run_eval
+from llmtrain.eval import EvalError, _require_lm_eval, flat_metrics, run_eval, task_manager
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "eval_watch.jsonl"
 
 
+@dataclass
+class WatchResult:
+    rows: list[dict] = field(default_factory=list)  # what this call appended
+    finished: bool = False  # the run's last saved step (or until_step) was scored
+
+
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every complete checkpoint under RUN/checkpoints, in step order. A save
-    in progress (no state.json yet, or its tensors not all written) is not listed."""
+    """(step, dir) of every complete checkpoint under RUN/checkpoints, in step order. A save in
+    progress (step_N.tmp, or no state.json yet) is not listed."""
     out = []
     for d in (Path(run_dir) / "checkpoints").glob("step_*"):
-        state = d / "state.json"
-        if d.name.endswith(".tmp"):  # a save in progress: renamed to step_N when complete
-            continue
-        if not d.is_dir() or not state.is_file() or not (is_sharded(d) or is_legacy(d)):
+        if d.name.endswith(".tmp") or not d.is_dir():  # .tmp: renamed to step_N when complete
             continue
         try:
-            out.append((int(json.loads(state.read_text())["step"]), d))
-        except (OSError, ValueError, KeyError):  # being written or removed right now
+            if is_sharded(d) or is_legacy(d):
+                out.append((int(json.loads((d / "state.json").read_text())["step"]), d))
+        except (OSError, ValueError, KeyError):  # not written yet, or being removed
             continue
     return sorted(out)
 
 
-def _last_step(ck: Path) -> int | None:
+def last_saved_step(ck: Path) -> int | None:
+    """The last step the run of checkpoint `ck` will save, from its config: max_steps, or with
+    save_final false the last multiple of save_every (None: unknown)."""
     from llmtrain.config import load_config
 
     try:
-        return load_config(ck / "config.yaml").train.max_steps
+        t = load_config(ck / "config.yaml").train
     except Exception:  # a config this version cannot read: rely on until_step / timeout
         return None
+    if t.save_final:
+        return t.max_steps
+    return t.max_steps - t.max_steps % t.save_every or None
+
+
+def _identity(ck: Path) -> str:
+    return hashlib.sha256((ck / "state.json").read_bytes()).hexdigest()[:16]
+
+
+def _snapshot(ck: Path, into: Path) -> Path | None:
+    """Hard links of every file of `ck` under `into`; None if `ck` went away meanwhile; `ck`
+    itself where links cannot be made (checkpoints on another filesystem): read in place."""
+    snap = Path(tempfile.mkdtemp(prefix=ck.name + "-", dir=into))
+    try:
+        for root, _, files in os.walk(ck):
+            dst = snap / Path(root).relative_to(ck)
+            dst.mkdir(exist_ok=True)
+            for f in files:
+                os.link(Path(root) / f, dst / f)
+    except FileNotFoundError:
+        shutil.rmtree(snap, ignore_errors=True)
+        return None
+    except OSError as e:  # EXDEV, EPERM: no snapshot; a delete during the evaluation is caught
+        shutil.rmtree(snap, ignore_errors=True)
+        logger.warning("cannot hard-link %s (%s): evaluating it in place", ck, e.strerror)
+        return ck
+    return snap
+
+
+def _gone_or_changed(ck: Path, ident: str, wait_s: int = 30) -> bool:
+    """Whether `ck` was deleted or saved again (keep_last's rmtree may take a while)."""
+    for _ in range(wait_s + 1):
+        try:
+            if _identity(ck) != ident:
+                return True
+        except OSError:
+            return True
+        time.sleep(1)
+    return False
+
+
+def _read_rows(results: Path) -> list[dict]:
+    rows = []
+    if results.is_file():
+        for i, line in enumerate(results.read_text().splitlines()):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a crash or a full disk
+                logger.warning("%s line %d is not JSON (cut short?): ignored", results, i + 1)
+    return rows
 
 
 def watch(
@@ -66,72 +136,130 @@ def watch(
     out: str | Path | None = None,
     on_result: Callable[[dict], None] | None = None,
     **eval_kwargs: Any,
-) -> list[dict]:
-    """Evaluate each new complete checkpoint of `run_dir` until the run's last step is done;
-    returns the rows this call appended, each also passed to `on_result` as it lands (module
-    docstring). `eval_kwargs` go to run_eval."""
+) -> WatchResult:
+    """Score each new complete checkpoint of `run_dir` until the run's last saved step is done
+    (module docstring); each appended row is also passed to `on_result` as it lands.
+    `eval_kwargs` go to run_eval."""
     run = Path(run_dir)
     if (run / "state.json").is_file() or (run / "config.json").is_file():
         raise EvalError(
             f"{run} is a checkpoint or a Hugging Face directory, not a run directory; --watch "
             "takes the --run-dir of `llmtrain train` (it may not exist yet)"
         )
+    _require_lm_eval()  # bad tasks now, not at the first checkpoint hours later
+    task_manager(list(tasks), eval_kwargs.get("include_path"))
     results = Path(out) if out else run / RESULTS_FILE
-    key = {"tasks": sorted(tasks), "limit": eval_kwargs.get("limit"),
-           "max_length": eval_kwargs.get("max_length")}  # fmt: skip
-    done = set()
-    if results.is_file():
-        for line in results.read_text().splitlines():
-            row = json.loads(line)
-            if {k: row.get(k) for k in key} == key:
-                done.add(row["step"])
+    key = {
+        "tasks": sorted(tasks),
+        "limit": eval_kwargs.get("limit"),
+        "max_length": eval_kwargs.get("max_length"),
+        "dtype": eval_kwargs.get("dtype", "float32"),
+        "include_path": sorted(
+            str(Path(p).resolve()) for p in eval_kwargs.get("include_path") or []
+        ),
+    }
     tb = _LazyTensorboard(run)
-    added: list[dict] = []
+    res = WatchResult()
+    lock = None
+    done: set[tuple[int, str]] = set()
     last_new = time.monotonic()
     try:
         while True:
-            todo = [(s, d) for s, d in complete_checkpoints(run) if s not in done]
-            for step, ck in todo:
-                t0 = time.monotonic()
-                try:
-                    res = run_eval(ck, tasks, **eval_kwargs)
-                except Exception as e:
-                    time.sleep(2)  # keep_last's rmtree takes a moment: was this one deleted?
-                    if (ck / "state.json").is_file():
-                        raise
-                    logger.warning("step %d was deleted (train.keep_last) before its evaluation "
-                                   "finished: skipped (%s)", step, type(e).__name__)  # fmt: skip
-                    done.add(step)
-                    continue
-                metrics = flat_metrics(res)
-                row = {"step": step, "checkpoint": ck.name, **key,
-                       "seconds": round(time.monotonic() - t0, 1), **metrics}  # fmt: skip
-                results.parent.mkdir(parents=True, exist_ok=True)
-                with results.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                tb.add(metrics, step)
-                logger.info("step %d: %s", step,
-                            ", ".join(f"{k.removeprefix('eval/')} {v:.4f}"
-                                      for k, v in metrics.items()))  # fmt: skip
-                done.add(step)
-                added.append(row)
-                if on_result is not None:
-                    on_result(row)
-                last_new = time.monotonic()
-            if todo:
-                continue  # look again at once: checkpoints may have landed meanwhile
+            if lock is None and run.is_dir():  # one watcher per results file
+                lock = _lock(results)
+                shutil.rmtree(run / ".eval_watch", ignore_errors=True)  # a killed one's snapshots
+                done = {(r["step"], r.get("checkpoint_id", "")) for r in _read_rows(results)
+                        if {k: r.get(k) for k in key} == key}  # fmt: skip
             steps = complete_checkpoints(run)
             final = until_step
             if final is None and steps:
-                final = _last_step(steps[-1][1])
-            if final is not None and any(s >= final for s in done):
-                return added
+                final = last_saved_step(steps[-1][1])
+            todo = []
+            for s, d in steps:
+                if until_step is not None and s > until_step:
+                    continue
+                try:
+                    ident = _identity(d)
+                except OSError:  # deleted since it was listed
+                    continue
+                if (s, ident) not in done:
+                    todo.append((s, d, ident))
+            for step, ck, ident in todo:
+                row = _score(run, step, ck, ident, key, tasks, eval_kwargs)
+                done.add((step, ident))
+                if row is None:
+                    continue
+                _append(results, row)
+                tb.add({k: v for k, v in row.items() if k.startswith("eval/")}, step)
+                res.rows.append(row)
+                if on_result is not None:
+                    on_result(row)
+                last_new = time.monotonic()
+            if final is not None and any(s >= final for s, _ in done):
+                res.finished = True
+                return res
+            if todo:
+                continue  # look again at once: checkpoints may have landed meanwhile
             if timeout is not None and time.monotonic() - last_new > timeout:
-                logger.info("no new checkpoint for %.0f s: stopping", timeout)
-                return added
+                logger.warning("no new checkpoint for %.0f s before step %s: stopping",
+                               timeout, final)  # fmt: skip
+                return res
             time.sleep(poll)
     finally:
         tb.close()
+        if lock is not None:
+            lock.close()
+
+
+def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kwargs):
+    """One checkpoint's row, evaluated on a hard-linked snapshot (None: it was deleted or saved
+    again first)."""
+    work = run / ".eval_watch"
+    work.mkdir(exist_ok=True)
+    snap = _snapshot(ck, work)
+    try:
+        if snap is not None and (snap / "state.json").is_file() and _identity(snap) == ident:
+            t0 = time.monotonic()
+            try:
+                res = run_eval(snap, tasks, **eval_kwargs)
+                return {"step": step, "checkpoint": ck.name, "checkpoint_id": ident, **key,
+                        "seconds": round(time.monotonic() - t0, 1), **flat_metrics(res)}  # fmt: skip
+            except Exception:
+                # files deleted before they were linked (or, in place, during the evaluation)
+                if not _gone_or_changed(ck, ident):
+                    raise
+        logger.warning("step %d was deleted or saved again before it could be evaluated "
+                       "(train.keep_last, a resumed run): skipped", step)  # fmt: skip
+        return None
+    finally:
+        if snap is not None and snap != ck:
+            shutil.rmtree(snap, ignore_errors=True)
+
+
+def _append(results: Path, row: dict) -> None:
+    """One write on an O_APPEND descriptor: a reader never sees half of a row from us."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(results, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        # a row cut short by a crash has no newline: start on a line of our own
+        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        os.write(fd, (("\n" if cut else "") + json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _lock(results: Path):
+    results.parent.mkdir(parents=True, exist_ok=True)
+    f = open(results.with_name(results.name + ".lock"), "w")  # noqa: SIM115 (held while watching)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise EvalError(
+            f"another watcher is writing {results}; stop it, or give this one --out FILE"
+        ) from None
+    return f
 
 
 class _LazyTensorboard:
