@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the training job, until the run's last step is evaluated")  # fmt: skip
     ev.add_argument("--poll", type=float, default=60.0, help="--watch: seconds between looks")
     ev.add_argument("--until-step", type=int, default=None,
-                    help="--watch: stop after this step (default: the run's train.max_steps)")  # fmt: skip
+                    help="--watch: stop after this step (default: the last step the run saves)")  # fmt: skip
     ev.add_argument("--idle-timeout", type=float, default=None,
                     help="--watch: give up (exit 1) after this many seconds without a new "
                          "checkpoint; default: wait as long as the run lasts")  # fmt: skip
