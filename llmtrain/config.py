@@ -44,8 +44,14 @@ class RopeConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # YaRN's temperature m(f, k) = 0.1·k·ln f + 1. With both set (DeepSeek-V2/V3 set them equal)
+    # the softmax scale takes m(f, mscale_all_dim)² and cos/sin m(f, mscale)/m(f, mscale_all_dim),
+    # as DeepSeek's reference and transformers do; mscale_all_dim 0 scales cos/sin by m(f, 1)
+    # instead (transformers' reading of a config.json without the key).
     mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    mscale_all_dim: float = 1.0
+    attention_factor: float | None = None  # YaRN: overrides the cos/sin scale (transformers' key)
+    truncate: bool = True  # YaRN: floor/ceil the ramp's correction dims (transformers' key)
 
     def validate(self, prefix: str = "model.rope") -> None:
         if self.type not in ROPE_TYPES:
@@ -57,6 +63,11 @@ class RopeConfig:
             _positive(
                 prefix, "original_max_position_embeddings", self.original_max_position_embeddings
             )
+            if self.attention_factor is not None and not self.attention_factor > 0:
+                raise ConfigError(
+                    f"{prefix}.attention_factor={self.attention_factor} must be positive; leave "
+                    "it unset (null) to derive it from mscale / mscale_all_dim"
+                )
             if self.beta_fast <= self.beta_slow:
                 raise ConfigError(
                     f"{prefix}.beta_fast ({self.beta_fast}) must be larger than "

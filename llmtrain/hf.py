@@ -51,6 +51,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         rope.beta_slow = float(src.get("beta_slow") or 1)
         rope.mscale = float(src.get("mscale") or 0)
         rope.mscale_all_dim = float(src.get("mscale_all_dim") or 0)
+        if src.get("attention_factor") is not None:
+            rope.attention_factor = float(src["attention_factor"])
+        rope.truncate = bool(src.get("truncate", True))
     elif kind != "default":
         raise ConfigError(
             f"rope type {kind!r} in the HF config is not supported; only default or yarn rotary "
@@ -58,6 +61,20 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         )
     return rope
 
+
+# What transformers' DeepseekV3Config / DeepseekV2Config (5.x) put in place of a key config.json
+# lacks, for the keys whose absence would not fail at weight loading (test_hf_parity checks these
+# against the installed classes). Reading 1 where transformers reads 8 would change the logits.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                    "norm_topk_prob": True, "q_lora_rank": 1536, "n_shared_experts": 1,
+                    "first_k_dense_replace": 3, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False, "rope_interleave": True, "hidden_act": "silu"},
+    "deepseek_v2": {"n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
+                    "norm_topk_prob": False, "q_lora_rank": 1536, "n_shared_experts": 2,
+                    "first_k_dense_replace": 0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "topk_method": "greedy", "hidden_act": "silu"},
+}  # fmt: skip
 
 # config.json fields a DeepSeek MLA + MoE model cannot do without
 HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -120,6 +137,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
     v2 = mtype == "deepseek_v2"
+    hf = {**HF_DEFAULTS[mtype], **hf}
+    if hf["hidden_act"] not in ("silu", "swish"):
+        raise ConfigError(
+            f"hidden_act={hf['hidden_act']!r} is not supported: llmtrain's MLPs and experts are "
+            "SwiGLU (silu), as every DeepSeek release is"
+        )
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if kv_heads != heads:
@@ -131,7 +154,7 @@ def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
     topk_group = hf.get("topk_group") or 1
     if v2 and hf.get("topk_method", "greedy") == "greedy":
         n_group, topk_group = 1, 1
-    norm_topk = bool(hf.get("norm_topk_prob", not v2))
+    norm_topk = bool(hf["norm_topk_prob"])
     if v2 and norm_topk:
         # transformers' DeepseekV2 router never renormalises; follow it so logits match.
         logger.warning(
@@ -157,11 +180,11 @@ def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
         topk_group=topk_group,
         scoring_func="softmax" if v2 else "sigmoid",
         norm_topk_prob=norm_topk,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        routed_scaling_factor=float(hf["routed_scaling_factor"]),
         first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
         bias_update_speed=0.0 if v2 else 0.001,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        tie_word_embeddings=bool(hf["tie_word_embeddings"]),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         init_std=float(hf.get("initializer_range", 0.02)),
         rope=_rope_from_hf(hf),
@@ -233,6 +256,12 @@ def hf_config_from_model(cfg: ModelConfig, mtp: bool = False) -> dict[str, Any]:
         "rope_scaling": legacy,
     }
     if v2:
+        if not cfg.rope.interleave:
+            raise ValueError(
+                "softmax gating with rope.interleave=false has no DeepseekV2 equivalent in "
+                "transformers (DeepseekV2 always rotates interleaved pairs); train with "
+                "model.rope.interleave=true to export this model"
+            )
         if cfg.norm_topk_prob:
             raise ValueError(
                 "softmax gating with norm_topk_prob=true has no DeepseekV2 equivalent in "

@@ -173,6 +173,19 @@ def test_softmax_model_exports_as_deepseek_v2(tmp_path):
         assert (got - hf(IDS).logits).abs().max() < 1e-4
 
 
+def test_softmax_half_rotation_is_refused_not_exported_wrong():
+    """DeepseekV2 always rotates interleaved pairs: a softmax model trained with half rotation
+    has no V2 equivalent, and writing one would give other logits."""
+    from llmtrain.config import ModelConfig, RopeConfig
+    from llmtrain.hf import hf_config_from_model
+
+    cfg = ModelConfig(scoring_func="softmax", norm_topk_prob=False, bias_update_speed=0.0)
+    assert hf_config_from_model(cfg)["model_type"] == "deepseek_v2"
+    cfg.rope = RopeConfig(interleave=False)
+    with pytest.raises(ValueError, match="rope.interleave=true"):
+        hf_config_from_model(cfg)
+
+
 def test_missing_or_corrupt_weights_are_named(ep_run, tmp_path):
     import shutil
 

@@ -18,6 +18,9 @@ V3_CASES = {
     "half_rotation": {"rope_interleave": False},
     "group_limited": {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 3},
     "group_limited_top1": {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 1},
+    "yarn_attention_factor": {"rope_parameters": {**YARN, "attention_factor": 1.3}},
+    "yarn_no_truncate": {"rope_parameters": {**YARN, "truncate": False}},
+    "yarn_no_mscale_keys": {"rope_parameters": {k: v for k, v in YARN.items() if "mscale" not in k}},
     "tied": {"tie_word_embeddings": True},
     "all_moe": {"first_k_dense_replace": 0},
     "two_dense_top4_unnormed": {"first_k_dense_replace": 2, "num_experts_per_tok": 4, "norm_topk_prob": False},
@@ -97,3 +100,45 @@ def test_backends_agree_on_hf_weights(backend, tmp_path):
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids).logits).abs().max() < 1e-4
+
+
+def test_missing_config_keys_read_as_transformers_reads_them(tmp_path):
+    """A config.json without n_group / topk_group / routed_scaling_factor: transformers fills its
+    class defaults (8, 4, 2.5 for V3), and so must we, or the logits differ silently."""
+    import json
+
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from llmtrain.hf import HF_DEFAULTS
+
+    for mtype, cls in (("deepseek_v3", DeepseekV3Config), ("deepseek_v2", DeepseekV2Config)):
+        got = cls()
+        for k, v in HF_DEFAULTS[mtype].items():
+            assert getattr(got, k, v) == v, f"{mtype}.{k}: transformers {getattr(got, k)!r}"
+    hf = make_hf_model(seed=4, n_routed_experts=16)
+    hf.save_pretrained(tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    for k in ("n_group", "topk_group", "routed_scaling_factor"):
+        c.pop(k)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (ref.config.n_group, ref.config.topk_group) == (8, 4)
+    ours = llmtrain.from_pretrained(tmp_path)
+    assert (ours.cfg.n_group, ours.cfg.topk_group, ours.cfg.routed_scaling_factor) == (8, 4, 2.5)
+    ids = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ref(ids).logits - ours(ids).logits).abs().max() < 1e-4
+
+
+def test_unsupported_hidden_act_is_refused():
+    from llmtrain.config import ConfigError
+    from llmtrain.hf import model_config_from_hf
+
+    from .hf_utils import TINY
+
+    hf = {"model_type": "deepseek_v3", **TINY}
+    assert model_config_from_hf({**hf, "hidden_act": "swish"}).n_routed_experts == 8
+    with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
+        model_config_from_hf({**hf, "hidden_act": "gelu"})

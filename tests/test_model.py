@@ -125,6 +125,69 @@ def test_mtp_loss_and_grads(debug_cfg):
         assert model(ids[:, :-1], labels=lab).mtp_loss != base
 
 
+def test_mtp_keeps_packed_documents_apart(debug_cfg):
+    """Changing only document A must not move the MTP loss scored on document B: the MTP block
+    reads the main model's document mask, cut to its positions."""
+    from llmtrain.model.attention import DocumentMask
+
+    cfg = dataclasses.replace(debug_cfg.model, mtp_depth=2)
+    model = build_model(cfg, seed=1).eval()
+    eos, t = 0, 24
+    x1 = torch.randint(1, cfg.vocab_size, (2, t), generator=torch.Generator().manual_seed(0))
+    x1[:, 9] = eos  # document A = 0..9, document B = 10..23
+    x2 = x1.clone()
+    x2[:, :9] = torch.randint(1, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    lab = torch.roll(x1, -1, 1)
+    lab[:, -1] = -100
+    lab[:, :10] = -100  # depth k scores labels[:, k:]: positions >= 10 - k of doc B's rows only
+    lab[:, 10:12] = -100
+    with torch.no_grad():
+        o1, o2 = (model(x, labels=lab, attention_mask=DocumentMask.from_eos(x, eos)) for x in (x1, x2))
+        assert o1.lm_loss == o2.lm_loss
+        assert o1.mtp_loss == o2.mtp_loss
+        # and the mask matters: without it document A's change reaches B's MTP loss
+        assert model(x1, labels=lab).mtp_loss != model(x2, labels=lab).mtp_loss
+
+
+def test_bad_masks_and_labels_are_refused(debug_cfg):
+    """An HF-style [B, T] mask would broadcast over queries (non-causal at B=1); a label of -1
+    would be trained as token 0 by the fused loss. Both raise, naming the fix."""
+    cfg = debug_cfg.model
+    model = build_model(cfg).eval()
+    ids = _ids(cfg, b=1, t=8)
+    with pytest.raises(ValueError, match=r"\[B, 1, T, S\]"):
+        model(ids, attention_mask=torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not fit"):
+        model(ids, attention_mask=torch.ones(1, 1, 7, 8, dtype=torch.bool))
+    lab = ids.clone()
+    lab[0, 3] = -1
+    with pytest.raises(ValueError, match="label -1 is neither -100"):
+        model(ids, labels=lab)
+    lab[0, 3] = cfg.vocab_size
+    with pytest.raises(ValueError, match=f"label {cfg.vocab_size} is neither"):
+        model(ids, labels=lab)
+    lab[0, 3] = -100
+    assert model(ids, labels=lab).loss.isfinite()
+
+
+def test_bf16_model_keeps_rope_frequencies_fp32(debug_cfg):
+    """`model.to(bf16)` must not round inv_freq: bf16 frequencies rotate position 32k by radians."""
+    from llmtrain.model.layers import rope_inv_freq
+
+    cfg = dataclasses.replace(
+        debug_cfg.model,
+        rope=dataclasses.replace(debug_cfg.model.rope, type="yarn", factor=8.0,
+                                 original_max_position_embeddings=64),
+    )  # fmt: skip
+    want = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)[0]
+    for model in (build_model(cfg).to(torch.bfloat16), build_model(cfg, dtype=torch.bfloat16)):
+        inv = model.model.rotary_emb.inv_freq
+        assert inv.dtype == torch.float32
+        assert torch.equal(inv, want)
+        assert next(model.parameters()).dtype == torch.bfloat16
+    assert not torch.equal(want.to(torch.bfloat16).float(), want)  # the test can fail
+
+
 @pytest.mark.parametrize("q_lora", [None, 32])
 def test_cached_decoding_equals_recompute(debug_cfg, q_lora):
     cfg = dataclasses.replace(debug_cfg.model, q_lora_rank=q_lora)

@@ -92,6 +92,15 @@ class DocumentMask:
         self._dense: torch.Tensor | None = None
         self._varlen: tuple[torch.Tensor, int] | None = None
         self._block = None
+        self._prefixes: dict[int, DocumentMask] = {}
+
+    def prefix(self, n: int) -> DocumentMask:
+        """The mask of each row's first n tokens (an MTP depth's positions), built once."""
+        if n == self.doc_BT.shape[1]:
+            return self
+        if n not in self._prefixes:
+            self._prefixes[n] = DocumentMask(self.doc_BT[:, :n])
+        return self._prefixes[n]
 
     @classmethod
     def from_eos(cls, input_ids_BT: torch.Tensor, eos_id: int) -> DocumentMask:
@@ -152,6 +161,35 @@ class DocumentMask:
             b, t = doc.shape
             self._block = create_block_mask(mask_mod, b, None, t, t, device=doc.device)
         return self._block
+
+
+def mask_prefix(mask, n: int):
+    """`mask` (None, DocumentMask or boolean [B, 1, T, T]) restricted to the first n positions."""
+    if mask is None:
+        return None
+    if isinstance(mask, DocumentMask):
+        return mask.prefix(n)
+    return mask[..., :n, :n]
+
+
+def check_mask(mask, shape_BT: torch.Size | tuple[int, int]) -> None:
+    """Refuse masks that would broadcast silently: an HF-style [B, T] padding mask of batch 1
+    broadcast over [B, 1, T, S] would let every query see every key, the future included."""
+    if mask is None or isinstance(mask, DocumentMask):
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"attention_mask {got} must be a boolean [B, 1, T, S] 'may attend' mask (causality "
+            "included) or a DocumentMask; an HF-style [B, T] padding mask is not read: combine "
+            "it with causal_mask(T, S) as pad_BS[:, None, None, :] & causal_TS"
+        )
+    b, t = shape_BT
+    if mask.shape[0] not in (1, b) or mask.shape[2] != t:
+        raise ValueError(
+            f"attention_mask {tuple(mask.shape)} does not fit input_ids [{b}, {t}]: it must be "
+            f"[{b} or 1, 1, {t}, S]"
+        )
 
 
 def _dense(mask) -> torch.Tensor | None:

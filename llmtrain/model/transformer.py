@@ -18,7 +18,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig
-from llmtrain.model.attention import MLA, DocumentMask, MLACache, document_backend
+from llmtrain.model.attention import (
+    MLA,
+    DocumentMask,
+    MLACache,
+    check_mask,
+    document_backend,
+    mask_prefix,
+)
 from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
 from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import Experts, MoE
@@ -94,9 +101,9 @@ class MTPModule(nn.Module):
         self.block = DecoderLayer(cfg, layer_idx, dispatcher)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h_BTD, emb_BTD, cos, sin):
+    def forward(self, h_BTD, emb_BTD, cos, sin, mask=None):
         x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
-        return self.block(x, cos, sin)
+        return self.block(x, cos, sin, None, mask)
 
 
 class Backbone(nn.Module):
@@ -178,17 +185,33 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
+    def _check_ids(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Host-synchronising checks for callers (evaluation, scripts); training's loader makes
+        valid batches and skips them. The fused loss reads a label < 0 as a row to gather, so
+        any label other than -100 must be a token id, as F.cross_entropy demands."""
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty")
+        v = self.cfg.vocab_size
         lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
+        if lo < 0 or hi >= v:
             bad = lo if lo < 0 else hi
             raise ValueError(
-                f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}); "
+                f"token id {bad} is outside the vocabulary [0, {v}); "
                 "check the tokenizer matches model.vocab_size"
+            )
+        if labels is None:
+            return
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have input_ids' shape {tuple(input_ids.shape)}"
+            )
+        bad_N = (labels != -100) & ((labels < 0) | (labels >= v))
+        if bool(bad_N.any()):
+            raise ValueError(
+                f"label {int(labels[bad_N][0])} is neither -100 (ignored) nor a token id in "
+                f"[0, {v}); mark positions to skip with -100"
             )
 
     def forward(
@@ -212,7 +235,8 @@ class Transformer(nn.Module):
         [B, 1, T, S] "may attend" mask.
         """
         if check_inputs:
-            self._check_ids(input_ids)
+            self._check_ids(input_ids, labels)
+        check_mask(attention_mask, input_ids.shape)
         b, t = input_ids.shape
         past = cache.seq_len if cache is not None else 0
         if position_ids is None:
@@ -245,21 +269,25 @@ class Transformer(nn.Module):
         out.aux_loss = aux
         loss = out.lm_loss + aux
         if len(self.mtp) and t > len(self.mtp):
-            mtp_loss, mtp_aux = self._mtp_loss(x_BTD, input_ids, labels, cos, sin)
+            mtp_loss, mtp_aux = self._mtp_loss(x_BTD, input_ids, labels, cos, sin, attention_mask)
             out.mtp_loss = mtp_loss
             out.aux_loss = aux + mtp_aux
             loss = loss + self.cfg.mtp_loss_weight * mtp_loss + mtp_aux
         out.loss = loss
         return out
 
-    def _mtp_loss(self, h_BTD, input_ids, labels, cos, sin):
-        """Mean over depths k of CE(t_{i+k+1}); depth k sees positions 0..T-1-k."""
+    def _mtp_loss(self, h_BTD, input_ids, labels, cos, sin, mask=None):
+        """Mean over depths k of CE(t_{i+k+1}); depth k sees positions 0..T-1-k, under the main
+        model's attention mask cut to them (packed documents stay apart, as in Megatron's MTP)."""
         losses, aux = [], h_BTD.new_zeros((), dtype=torch.float32)
         t = input_ids.shape[1]
         for k, mod in enumerate(self.mtp, start=1):
             n = t - k
             emb = self.model.embed_tokens(input_ids[:, k:])
-            h_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n])
+            m = mask_prefix(mask, n)
+            if isinstance(m, DocumentMask):
+                m.prepare(document_backend(self.cfg.attn_backend, h_BTD))
+            h_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n], m)
             aux = aux + a
             losses.append(self.lm_head(mod.norm(h_BTD), labels[:, k:]))
         return torch.stack(losses).mean(), aux
