@@ -142,7 +142,9 @@ def test_mtp_keeps_packed_documents_apart(debug_cfg):
     lab[:, :10] = -100  # depth k scores labels[:, k:]: positions >= 10 - k of doc B's rows only
     lab[:, 10:12] = -100
     with torch.no_grad():
-        o1, o2 = (model(x, labels=lab, attention_mask=DocumentMask.from_eos(x, eos)) for x in (x1, x2))
+        o1, o2 = (
+            model(x, labels=lab, attention_mask=DocumentMask.from_eos(x, eos)) for x in (x1, x2)
+        )
         assert o1.lm_loss == o2.lm_loss
         assert o1.mtp_loss == o2.mtp_loss
         # and the mask matters: without it document A's change reaches B's MTP loss
