@@ -105,6 +105,34 @@ def test_pieces_reshard_between_rank_counts(tmp_path):
         r.read("x")
 
 
+def _bytes_read() -> int:
+    """Bytes this process has read through read(2) and friends so far (Linux /proc)."""
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("rchar")).split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_a_piece_reads_its_bytes_not_the_whole_stored_chunk(tmp_path):
+    """A rank resuming at another layout, or the export reading a row block, needs a slice of a
+    stored chunk; torch's reader would load the whole chunk (16 MB here) to narrow it."""
+    big = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(3))
+    write_full_tensors(tmp_path / "ck", {"big": ((2048, 2048), lambda: big)})
+    out = torch.empty(10_000)
+    before = _bytes_read()
+    load_pieces(tmp_path / "ck", [Piece(model_key("big"), big.numel(), 1_234_567, 10_000,
+                                        tensor=out)], no_dist=True)  # fmt: skip
+    read = _bytes_read() - before
+    assert torch.equal(out, big.view(-1)[1_234_567:1_244_567])
+    assert read < 40_000 + 64 * 1024, f"read {read} bytes for a 40 kB piece of a 16 MB chunk"
+    r = ShardedReader(tmp_path / "ck")
+    before = _bytes_read()
+    first, block = next(r.rows("big", max_bytes=64 * 2048 * 4))
+    read = _bytes_read() - before
+    assert first == 0 and torch.equal(block, big[:64])
+    assert read < 64 * 2048 * 4 + 64 * 1024, f"read {read} bytes for a 512 kB row block"
+    assert torch.equal(r.read("big"), big)
+
+
 def test_load_refuses_a_size_mismatch(tmp_path):
     write_full_tensors(tmp_path / "ck", {"w": ((5, 7), lambda: W)})
     with pytest.raises(CheckpointError, match="another model config"):

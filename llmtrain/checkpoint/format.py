@@ -22,7 +22,10 @@ import io
 import json
 import math
 import os
+import struct
+import sys
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from llmtrain.errors import LlmtrainError
 
@@ -207,6 +211,146 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             self.pieces[i].consume(self._buf.pop(i))
 
 
+# ---------------------------------------------------------------- ranged reads
+
+
+class _Window(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a seekable file of its own."""
+
+    def __init__(self, fh, offset: int, length: int):
+        self.fh, self.offset, self.length, self.pos = fh, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.fh.seek(self.offset + self.pos)
+        got = self.fh.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+def _storage_record(fh, offset: int, length: int, nbytes: int) -> int | None:
+    """Where, from `offset`, the raw bytes of the tensor that `torch.save` wrote at
+    [offset, offset + length) of `fh` begin; None when the chunk is not that simple layout
+    (one uncompressed little-endian storage of `nbytes`), and the whole chunk must be loaded."""
+    try:
+        zf = zipfile.ZipFile(_Window(fh, offset, length))
+        recs = [z for z in zf.infolist() if "/data/" in z.filename and
+                not z.filename.endswith("/serialization_id")]  # fmt: skip
+        order = [z for z in zf.infolist() if z.filename.endswith("/byteorder")]
+        if len(recs) != 1 or recs[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        if recs[0].file_size != nbytes or sys.byteorder != "little":
+            return None
+        if order and zf.read(order[0]) != b"little":
+            return None
+        fh.seek(offset + recs[0].header_offset)
+        head = fh.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        return recs[0].header_offset + 30 + name_len + extra_len
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error):
+        return None
+
+
+class RangedReader(dcp.FileSystemReader):
+    """DCP's file reader, but a 1-D read takes only the bytes it needs from the stored chunk.
+
+    torch's reader `torch.load`s the whole stored chunk for any overlap and then narrows it, so
+    a rank resuming at another layout (more ranks, ZeRO-1/2 -> 3, another ep_size) or exporting
+    a row block would read whole chunks: up to the full checkpoint per rank. Our chunks are
+    flat (`Piece`), and DCP writes each one as `torch.save` of a storage of exactly its elements
+    (views are cloned), stored uncompressed: the elements [a, a + n) are bytes
+    [data + a·s, data + (a + n)·s) of the file. Anything else (transforms, BYTE_IO, an unexpected
+    layout) goes through torch's reader."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._dtypes = {k: m.properties.dtype for k, m in metadata.state_dict_metadata.items()
+                        if isinstance(m, TensorStorageMetadata)}  # fmt: skip
+        self._chunk_numel = {
+            MetadataIndex(k, c.offsets): math.prod(c.sizes)
+            for k, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)
+            for c in m.chunks
+        }
+        self._data_at: dict[MetadataIndex, int | None] = {}
+        self.bytes_read = 0
+
+    def read_data(self, plan: LoadPlan, planner):
+        rest, per_file = [], {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if (req.type == LoadItemType.BYTE_IO or len(req.storage_offsets) != 1
+                    or info.transform_descriptors or req.storage_index.fqn not in self._dtypes):  # fmt: skip
+                rest.append(req)
+            else:
+                per_file.setdefault(info.relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            with open(Path(self.path) / rel, "rb", buffering=0) as fh:
+                for req in sorted(reqs, key=lambda r: (self.storage_data[r.storage_index].offset,
+                                                       r.storage_offsets[0])):  # fmt: skip
+                    if not self._read_range(fh, req, planner):
+                        rest.append(req)
+        if rest:
+            return super().read_data(LoadPlan(rest), planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_range(self, fh, req: ReadItem, planner) -> bool:
+        info = self.storage_data[req.storage_index]
+        dtype = self._dtypes[req.storage_index.fqn]
+        size = torch.empty((), dtype=dtype).element_size()
+        key = MetadataIndex(req.storage_index.fqn, req.storage_index.offset)
+        if key not in self._data_at:
+            numel = self._chunk_numel.get(key)
+            self._data_at[key] = (
+                None
+                if numel is None
+                else _storage_record(fh, info.offset, info.length, numel * size)
+            )
+        at = self._data_at[key]
+        if at is None:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        n = req.lengths[0]
+        if target.numel() != n:
+            raise CheckpointError(f"{req.storage_index.fqn}: read of {n} into {target.numel()}")
+        buf = (
+            target
+            if (target.dtype == dtype and target.is_contiguous())
+            else torch.empty(n, dtype=dtype)
+        )
+        fh.seek(info.offset + at + req.storage_offsets[0] * size)
+        view = memoryview(buf.view(torch.uint8).numpy()) if n else memoryview(b"")
+        got = 0
+        while got < n * size:
+            k = fh.readinto(view[got:])
+            if not k:
+                raise CheckpointError(f"{self.path}/{info.relative_path} is truncated at "
+                                      f"{req.storage_index.fqn}")  # fmt: skip
+            got += k
+        self.bytes_read += got
+        if buf is not target:
+            target.copy_(buf)
+        planner.commit_tensor(req, target)
+        return True
+
+
 # ---------------------------------------------------------------- collective save / load
 
 
@@ -234,7 +378,7 @@ def load_pieces(
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} has no .metadata: not a complete sharded checkpoint")
     planner = PieceLoadPlanner(pieces, blob_keys)
-    reader = dcp.FileSystemReader(str(path))
+    reader = RangedReader(str(path))
     _unwrapped(dcp.load, path, {}, storage_reader=reader, planner=planner, no_dist=no_dist)
     return planner.blobs
 
@@ -333,7 +477,7 @@ class ShardedReader:
         if index.get("format") != FORMAT:
             raise CheckpointError(f"{self.dir}: unknown checkpoint format {index.get('format')!r}")
         self.index: dict[str, dict] = index["tensors"]
-        self._reader = dcp.FileSystemReader(str(self.dir))
+        self._reader = RangedReader(str(self.dir))
         try:
             self._md = self._reader.read_metadata()
         except Exception as e:
