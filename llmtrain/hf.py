@@ -440,14 +440,16 @@ def _hf_sources(names, cfg: ModelConfig) -> dict[str, list[tuple[str, str, int]]
 
 
 @torch.no_grad()
-def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None) -> None:
-    """Copy a HF checkpoint into a built model, reading only what this model holds.
+def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None, partition=None) -> None:
+    """Copy a HF checkpoint into a built model, reading only what this rank holds.
 
-    Routed experts: only the experts of this rank (each `Experts` module's [offset, offset+El)
-    rows) are read, per-expert tensors by name and stacked ones through safetensors' lazy
-    slices; other tensors one at a time. No rank reads the whole checkpoint. `gather(p)`, for
-    partitioned weights (ZeRO-3), is a context in which `p` is whole and writes are kept; each
-    weight is gathered once. Raises ValueError naming what does not match."""
+    Routed experts: only this rank's experts (each `Experts` module's [offset, offset+El) rows).
+    `partition(p)`, for weights cut into flat partitions (ZeRO-3), returns (start, numel, local
+    1-D tensor) of what this rank keeps of `p` flattened, or None when `p` is whole: only the
+    rows that hold those elements are read (safetensors slices), so no rank reads more than its
+    share plus a row at each end. `gather(p)` (the older way, used when `partition` is None) is a
+    context in which `p` is whole and writes are kept. A file is closed once no later weight
+    needs it. Raises ValueError naming what does not match."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -479,58 +481,87 @@ def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None) -> None:
             "fresh initialisation", path, ", ".join(map(str, fresh)), cfg.mtp_depth,
         )  # fmt: skip
 
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+    targets = [(n, t, True) for n, t in params.items() if n in sources]
+    targets += [(n, t, False) for n, t in bufs.items() if n in sources]
+    last_use = {files[h]: i for i, (n, _, _) in enumerate(targets) for h, _, _ in sources[n]}
+    handles: dict[Path, tuple[Any, contextlib.ExitStack]] = {}
 
-        def read(hf_name: str):
-            f = files[hf_name]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            return handles[f]
+    def read(hf_name: str):
+        f = files[hf_name]
+        if f not in handles:
+            stack = contextlib.ExitStack()
+            handles[f] = (stack.enter_context(safe_open(str(f), framework="pt")), stack)
+        return handles[f][0]
 
-        targets = [(n, t, True) for n, t in params.items()] + [
-            (n, t, False) for n, t in bufs.items()
-        ]
-        for ours, w, is_param in targets:
-            if ours not in sources:
-                continue
-            with whole(w) if is_param else contextlib.nullcontext():
-                _fill(model, ours, w, sources[ours], read, path)
+    try:
+        for i, (ours, w, is_param) in enumerate(targets):
+            part = partition(w) if (is_param and partition is not None) else None
+            if part is not None:
+                start, numel, local = part
+                shape = tuple(getattr(w, "ds_shape", w.shape))
+                if numel > 0:
+                    rows = _source_rows(model, ours, shape, sources[ours], read, path)
+                    local.narrow(0, 0, numel).copy_(_flat_range(rows, shape, start, numel))
+            else:
+                with whole(w) if is_param else contextlib.nullcontext():
+                    rows = _source_rows(model, ours, tuple(w.shape), sources[ours], read, path)
+                    w.copy_(_flat_range(rows, tuple(w.shape), 0, w.numel()).view(w.shape))
+            for f in [f for f in handles if last_use[f] <= i]:
+                handles.pop(f)[1].close()
+    finally:
+        for _, stack in handles.values():
+            stack.close()
 
 
-def _fill(model, ours: str, w: torch.Tensor, src, read, path: Path) -> None:
-    """Write the HF tensors `src` into our (whole) tensor `w`; experts: this rank's rows only."""
+def _flat_range(rows, shape: tuple[int, ...], start: int, numel: int) -> torch.Tensor:
+    """Elements [start, start + numel) of a tensor of `shape` flattened, from `rows(r0, r1)`:
+    rows [r0, r1) of its [prod(shape[:-1]), shape[-1]] view (a 1-D tensor: rows of one)."""
+    c = shape[-1] if len(shape) > 1 else 1
+    r0, r1 = start // c, -(-(start + numel) // c)
+    return rows(r0, r1).reshape(-1).narrow(0, start - r0 * c, numel)
+
+
+def _source_rows(model, ours: str, shape, src, read, path: Path):
+    """`rows(r0, r1)` of our tensor `ours` (of `shape`) made from the HF tensors `src`, reading
+    only those rows. Experts: ours [El, in, out] is HF's [E, out, in] transposed (or per-expert
+    [out, in] tensors), so our row (e, i) is column i of HF's expert offset + e."""
     part = src[0][1]
     if part == "whole":
-        t = read(src[0][0]).get_tensor(src[0][0])
-        if tuple(t.shape) != tuple(w.shape):
-            raise ValueError(
-                f"{src[0][0]}: checkpoint shape {tuple(t.shape)} != model {tuple(w.shape)}"
-            )
-        w.copy_(t)
-        return
-    off, n = model.get_submodule(ours.rsplit(".", 1)[0]).offset, w.shape[0]
-    if part == "fused":  # transformers 5.x stacked layout [E, out, in]: our rows, transposed
-        w.copy_(read(src[0][0]).get_slice(src[0][0])[off : off + n].transpose(1, 2))
-        return
-    f = w.shape[-1] // 2
-    seen: dict[str, set[int]] = {}
-    for hf_name, kind, e in src:
-        if not off <= e < off + n:
-            continue  # another rank's expert: not read
-        t = read(hf_name).get_tensor(hf_name).t()
-        dst = (
-            w[e - off]
-            if kind == "down"
-            else w[e - off, :, :f]
-            if kind == "gate"
-            else w[e - off, :, f:]
-        )
-        dst.copy_(t)
-        seen.setdefault(kind, set()).add(e)
-    for kind in ("down",) if ours.endswith("w_down") else ("gate", "up"):
-        if seen.get(kind, set()) != set(range(off, off + n)):
-            raise ValueError(f"checkpoint {path} lacks {kind} weights of experts of {ours}")
+        name = src[0][0]
+        sl = read(name).get_slice(name)
+        got = tuple(sl.get_shape())
+        if got != tuple(shape):
+            raise ValueError(f"{name}: checkpoint shape {got} != model {tuple(shape)}")
+        if len(shape) > 2:
+            return lambda r0, r1: sl[:].reshape(-1, shape[-1])[r0:r1]
+        return lambda r0, r1: sl[r0:r1].reshape(r1 - r0, -1)
+    off = model.get_submodule(ours.rsplit(".", 1)[0]).offset
+    n, inner = shape[0], shape[1]
+    if part == "fused":  # transformers 5.x stacked layout [E, out, in]
+        name = src[0][0]
+        sl = read(name).get_slice(name)
+
+        def expert_rows(e: int, i0: int, i1: int) -> torch.Tensor:
+            return sl[off + e : off + e + 1, :, i0:i1][0].t()
+    else:
+        by = {(kind, e): hf_name for hf_name, kind, e in src}
+        kinds = ("down",) if ours.endswith("w_down") else ("gate", "up")
+        for kind in kinds:
+            if any((kind, e) not in by for e in range(off, off + n)):
+                raise ValueError(f"checkpoint {path} lacks {kind} weights of experts of {ours}")
+
+        def expert_rows(e: int, i0: int, i1: int) -> torch.Tensor:
+            cols = [read(by[k, off + e]).get_slice(by[k, off + e])[:, i0:i1].t() for k in kinds]
+            return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
+
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        out = []
+        for e in range(r0 // inner, -(-r1 // inner)):
+            i0, i1 = max(r0 - e * inner, 0), min(r1 - e * inner, inner)
+            out.append(expert_rows(e, i0, i1))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    return rows
 
 
 def from_pretrained(

@@ -343,7 +343,7 @@ def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layou
     import safetensors
     from safetensors.torch import save_file
 
-    from llmtrain.hf import load_hf_into, read_safetensors_dir, state_dict_from_hf
+    from llmtrain.hf import read_safetensors_dir, state_dict_from_hf
 
     from .hf_utils import make_hf_model
 
@@ -364,6 +364,13 @@ def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layou
             else:
                 fused[k] = v.contiguous()
         save_file(fused, str(src / "model.safetensors"))
+
+    _check_ep_rank_reads(src, cfg, full, layout, monkeypatch, safetensors)
+    _check_partition_reads(src, cfg, full, monkeypatch, safetensors)
+
+
+def _check_ep_rank_reads(src, cfg, full, layout, monkeypatch, safetensors):
+    from llmtrain.hf import load_hf_into
 
     reads = []
     real = safetensors.safe_open
@@ -400,6 +407,66 @@ def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layou
         assert all(int(n.split(".experts.")[1].split(".")[0]) >= el for n in expert_reads)
     else:
         assert all(kind == "slice" for kind, n in reads if ".experts." in n)
+    monkeypatch.setattr(safetensors, "safe_open", real)
+
+
+def _check_partition_reads(src, cfg, full, monkeypatch, safetensors, world=3):
+    """ZeRO-3: each of `world` ranks of EP rank 1 fills its flat partition of every weight with
+    the right elements, materialising about its share (a row at each end), not whole tensors."""
+    from llmtrain.hf import load_hf_into
+
+    real = safetensors.safe_open
+    pulled = [0]
+
+    class Counting:
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_slice(self, name):
+            sl = self.f.get_slice(name)
+
+            class Slice:
+                def get_shape(self):
+                    return sl.get_shape()
+
+                def __getitem__(self, idx):
+                    t = sl[idx]
+                    pulled[0] += t.numel()
+                    return t
+
+            return Slice()
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    model = build_model(cfg, seed=0, dispatcher=_Rank(2, 1))
+    el = cfg.n_routed_experts // 2
+    for rank in range(world):
+        bufs, share, slack = {}, 0, 0
+
+        def partition(p, rank=rank, bufs=bufs):
+            part = -(-p.numel() // world)
+            start = rank * part
+            n = max(0, min(part, p.numel() - start))
+            bufs[id(p)] = (start, n, torch.full((part,), float("nan")))
+            return bufs[id(p)]
+
+        pulled[0] = 0
+        load_hf_into(model, src, cfg, partition=partition)
+        for name, p in model.named_parameters():
+            want = full[name][el:] if name.endswith(("w_gate_up", "w_down")) else full[name]
+            start, n, local = bufs[id(p)]
+            torch.testing.assert_close(local[:n], want.reshape(-1)[start : start + n].float(),
+                                       rtol=0, atol=0)  # fmt: skip
+            share += n
+            slack += 2 * p.shape[-1] if p.dim() > 1 else 0
+        assert share <= pulled[0] <= share + slack, (rank, pulled[0], share)
+    monkeypatch.setattr(safetensors, "safe_open", real)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])

@@ -215,7 +215,21 @@ def sharded_build(cfg: Config, layout: Layout, dispatcher) -> dict[str, Any]:
     return {
         "init_context": lambda: deepspeed.zero.Init(config_dict_or_path=ds_config),
         "gather": lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
+        "partition": zero3_partition,
     }
+
+
+def zero3_partition(p: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+    """(start, numel, local 1-D tensor) of what this rank keeps of a ZeRO-3 weight flattened:
+    partition i of a weight's group holds elements [i·part, (i+1)·part), padding excluded
+    (partition_parameters.py `_partition_param`, 0.19.8); None for a weight that is whole."""
+    if not hasattr(p, "ds_tensor"):
+        return None
+    import deepspeed.comm as ds_comm
+
+    part = p.ds_tensor.numel()
+    start = ds_comm.get_rank(group=p.ds_process_group) * part
+    return start, max(0, min(part, p.ds_numel - start)), p.ds_tensor.view(-1)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

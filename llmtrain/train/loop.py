@@ -240,14 +240,15 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     cfg, t = run.cfg, run.cfg.train
     dispatcher = make_dispatcher(run.layout)
     hooks = sharded_build(cfg, run.layout, dispatcher)
+    partition = hooks.pop("partition", None)
     model = build_model(cfg.model, device=run.device, seed=t.seed, dispatcher=dispatcher, **hooks)
     if init_from:
         from llmtrain.hf import load_hf_into, model_config_from_hf
 
         hf_cfg = model_config_from_hf(json.loads((Path(init_from) / "config.json").read_text()))
         _check_init_from(hf_cfg, cfg.model, init_from)
-        # only this rank's experts are read; weights gathered one at a time under ZeRO-3
-        load_hf_into(model, Path(init_from), cfg.model, gather=hooks.get("gather"))
+        # only this rank's experts are read; under ZeRO-3 only the rows of its partitions
+        load_hf_into(model, Path(init_from), cfg.model, partition=partition)
     model.gradient_checkpointing = t.activation_checkpointing
     if t.compile:
         from llmtrain.train.compile import compile_blocks
