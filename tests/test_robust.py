@@ -229,6 +229,38 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(cache, tmp_path, mo
     assert json.loads((ck / "step_00000002" / "state.json").read_text())["step"] == 2
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (room for the run files and about two debug checkpoints); root only."""
+    where = tmp_path / "small"
+    where.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6M", "tmpfs", str(where)],
+                       capture_output=True, text=True)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {p.stderr.strip()[:100]}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_really_full_disk_is_reported_and_cleaned_up(cache, small_disk, mode):
+    """A real ENOSPC reaches DCP inside torch.save's zip writer as a RuntimeError ("unexpected
+    pos"): it must still give the one-line full-disk error, remove the partial step and keep
+    `latest` on the last complete checkpoint."""
+    run = small_disk / "run"
+    over = base(cache, "train.max_steps=12", "train.save_every=2", "train.keep_last=100",
+                f"train.async_save={mode == 'async'}")  # fmt: skip
+    p = run_train(run, 1, over, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = _last_line(p.stderr)
+    assert "No space left on device" in last and "partial files were removed" in last, last
+    assert "Traceback" not in p.stderr
+    ck = run / "checkpoints"
+    kept = (ck / "latest").read_text()
+    assert not list(ck.glob("*.tmp")), sorted(x.name for x in ck.iterdir())
+    assert kept in last and (ck / kept / "state.json").is_file()
+
+
 # ---------------------------------------------------------------- stale JIT build lock
 
 

@@ -18,10 +18,12 @@ and `tokenizer.json`. DCP keys: `model/<name>` (fp32 weights and router-bias buf
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import warnings
@@ -368,7 +370,7 @@ def save_pieces(
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     planner = PieceSavePlanner(pieces, blobs or {}, on_write)
     _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist,
-               process_group=group)  # fmt: skip
+               process_group=group, saving=True)  # fmt: skip
 
 
 def load_pieces(
@@ -383,15 +385,34 @@ def load_pieces(
     return planner.blobs
 
 
-def _unwrapped(fn, path: Path, *args, **kwargs):
+# a failed write leaving less than this free is taken for a full disk (see `_unwrapped`)
+NEARLY_FULL = 64 * 2**20
+
+
+def _unwrapped(fn, path: Path, *args, saving: bool = False, **kwargs):
     """DCP reports any rank's failure as a CheckpointException (a BaseException): raise ours,
-    with the first rank's message, on every rank."""
+    with the first rank's message, on every rank.
+
+    A full disk reaches DCP's writer inside `torch.save`, whose zip writer reports the short
+    write as a RuntimeError ("unexpected pos ..."), not ENOSPC: a save that fails so with the
+    disk (nearly) full is raised as the OSError it is, so the caller cleans up and says so."""
     try:
         with warnings.catch_warnings():  # "no process group: single process" is the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             return fn(*args, **kwargs)
     except CheckpointException as e:
         errs = [exc for exc, _ in e.failures.values()]
+        if saving and not any(isinstance(x, OSError) for x in errs):
+            where = Path(path)
+            while not where.exists() and where != where.parent:
+                where = where.parent
+            try:
+                free = shutil.disk_usage(where).free
+            except OSError:
+                free = None
+            if free is not None and free < NEARLY_FULL:
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free; "
+                              f"the write failed: {errs[0]})", str(path)) from None  # fmt: skip
         oserr = next((x for x in errs if isinstance(x, OSError)), None)
         if oserr is not None:  # a full disk, a quota, a vanished mount: the caller says what to do
             raise OSError(oserr.errno, oserr.strerror or str(oserr), oserr.filename) from None

@@ -153,6 +153,8 @@ def guarded_save(save: Callable[[], T], run_dir: Path, step: int) -> T:
     """Run a checkpoint save; an OS error (ENOSPC, EDQUOT, EIO ...) that escapes it is cleaned up
     and reported like SaveGuard's. `latest` is replaced only after a complete checkpoint is
     renamed into place, so an error before that leaves the previous checkpoint and `latest`."""
+    from llmtrain.checkpoint.format import CheckpointError
+
     ckdir = run_dir / "checkpoints"
     try:
         return save()
@@ -161,3 +163,6 @@ def guarded_save(save: Callable[[], T], run_dir: Path, step: int) -> T:
         raise SaveFailedError(
             _save_failed(step, ckdir, e.strerror or str(e), e.filename or ckdir)
         ) from e
+    except CheckpointError as e:  # a writer error that is not an OSError: clean up all the same
+        remove_partial(ckdir, step)
+        raise SaveFailedError(_save_failed(step, ckdir, str(e), ckdir)) from e
