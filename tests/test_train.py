@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,9 @@ def test_single_process_run_outputs(reference):
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "moe/maxvio_mean", "memory_gib"):
         assert key in m[0]
     assert "val_loss" in m[9] and "val_loss" in m[-1]
+    # evaluation and saving are timed apart from the step (tokens/s is the step's alone)
+    assert m[9]["eval_s"] > 0 and "eval_s" not in m[8]
+    assert m[10]["save_s"] > 0 and "save_s" not in m[9]
     ck = reference / "checkpoints"
     assert (ck / "latest").read_text() == f"step_{STEPS:08d}"
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000010", "step_00000020"]
@@ -78,6 +82,36 @@ def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
             b["grad_norm"],
         )
     assert _rel(ref[-1]["val_loss"], got[-1]["val_loss"]) < 1e-4
+
+
+def test_resume_with_another_global_batch_continues_the_sample_stream(reference, cache, tmp_path):
+    """Resuming step 10 (8 samples a step) at 16 a step: samples 80.. follow, none skipped, and
+    the counters add up; a model setting DeepSeek-V3 changes late (MTP weight, bias speed) is
+    accepted with a warning, one that changes shapes is refused."""
+    ck = reference / "checkpoints" / "step_00000010"
+    run = tmp_path / "run"
+    over = base(cache, f"resume={ck}", "train.max_steps=12", "train.global_batch_size=16",
+                "model.bias_update_speed=0.0")  # fmt: skip
+    p = run_train(run, 1, over)
+    assert "model.bias_update_speed changes from 0.001 to 0.0" in p.stderr
+    assert "learning rate jumps" in p.stderr and "train.schedule=wsd" in p.stderr
+    state = json.loads((run / "checkpoints" / "step_00000012" / "state.json").read_text())
+    assert state["consumed_samples"] == 10 * 8 + 2 * 16
+    assert state["tokens_seen"] == (10 * 8 + 2 * 16) * 128
+    bad = run_train(tmp_path / "bad", 1, base(cache, f"resume={ck}", "model.n_routed_experts=16"),
+                    check=False)  # fmt: skip
+    assert bad.returncode == 2 and "differs in model.n_routed_experts" in bad.stderr
+
+
+def test_sample_stream_positions():
+    from llmtrain.data.loader import global_sample_indices
+
+    a = global_sample_indices(1000, 10, 8, seed=1)
+    assert np.array_equal(a, global_sample_indices(1000, 0, 8, seed=1, first_sample=80))
+    both = np.concatenate(
+        [global_sample_indices(1000, 10, 8, 1), global_sample_indices(1000, 11, 8, 1)]
+    )
+    assert np.array_equal(both, global_sample_indices(1000, 5, 16, 1, first_sample=80))
 
 
 def test_sigkill_then_resume_is_exact(reference, cache, tmp_path):

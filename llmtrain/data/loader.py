@@ -117,10 +117,15 @@ def permute(i: np.ndarray, n: int, seed: int, epoch: int, rounds: int = 6) -> np
     return x.astype(np.int64)
 
 
-def global_sample_indices(n_seq: int, step: int, global_batch: int, seed: int) -> np.ndarray:
+def global_sample_indices(
+    n_seq: int, step: int, global_batch: int, seed: int, first_sample: int | None = None
+) -> np.ndarray:
     """Sequence indices of global step `step`: positions of an endless stream of per-epoch
-    permutations, computed without storing any permutation."""
-    pos = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    permutations, computed without storing any permutation. `first_sample` (default
+    step·global_batch) is the stream position the step starts at: a run resumed with another
+    global batch continues where the samples consumed so far end."""
+    a = step * global_batch if first_sample is None else first_sample
+    pos = np.arange(a, a + global_batch, dtype=np.int64)
     out = np.empty_like(pos)
     for e in np.unique(pos // n_seq):
         sel = pos // n_seq == e
@@ -129,10 +134,17 @@ def global_sample_indices(n_seq: int, step: int, global_batch: int, seed: int) -
 
 
 def batches_for_step(
-    ds: PackedDataset, step: int, global_batch: int, rank: int, world: int, micro: int, seed: int
+    ds: PackedDataset,
+    step: int,
+    global_batch: int,
+    rank: int,
+    world: int,
+    micro: int,
+    seed: int,
+    first_sample: int | None = None,
 ) -> list[np.ndarray]:
     """The micro-batches (sequence indices) rank `rank` processes at global step `step`."""
-    idx = global_sample_indices(ds.n_seq, step, global_batch, seed)
+    idx = global_sample_indices(ds.n_seq, step, global_batch, seed, first_sample)
     per = global_batch // world
     mine = idx[rank * per : (rank + 1) * per]
     return [mine[i : i + micro] for i in range(0, per, micro)]

@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,19 +57,52 @@ def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int) -> 
         run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _check_resumed_config(saved_yaml: str, cfg: Config) -> None:
-    saved = yaml.safe_load(saved_yaml)
-    if saved.get("model") != cfg.to_dict()["model"]:
-        diff = [k for k, v in cfg.to_dict()["model"].items() if saved.get("model", {}).get(k) != v]
-        raise TrainingError(
-            f"the checkpoint was written for another model config (differs in model.{', model.'.join(diff)}); "
-            "resume with the same model config or start a new run directory"
-        )
-
-
 # what a run may change when it continues from published weights: training terms, not shapes or routing
 _TRAINING_ONLY = {"bias_update_speed", "aux_loss_alpha", "router_z_loss_coef", "mtp_depth", "mtp_loss_weight",
                   "init_std", "attn_backend", "moe_impl", "max_position_embeddings"}  # fmt: skip
+# ... and what a resumed run may change (its parameters and optimizer state must keep their shapes):
+# DeepSeek-V3 sets the bias update speed to 0 and the MTP weight from 0.3 to 0.1 late in training
+_RESUMABLE = _TRAINING_ONLY - {"mtp_depth"}
+
+
+def _check_resumed_config(saved_yaml: str, cfg: Config, state: dict | None = None) -> list[str]:
+    """Refuse a model the checkpoint cannot fill; return warnings for the changes a resumed run
+    may make but should know the cost of (data order, schedule, counters)."""
+    saved = yaml.safe_load(saved_yaml) or {}
+    now = cfg.to_dict()
+    old_model = saved.get("model", {})
+    diff = [k for k, v in now["model"].items() if old_model.get(k) != v]
+    fixed = [k for k in diff if k not in _RESUMABLE]
+    if fixed:
+        raise TrainingError(
+            f"the checkpoint was written for another model config (differs in model.{', model.'.join(fixed)}); "
+            "resume with the same model config or start a new run directory"
+        )
+    warn = [f"model.{k} changes from {old_model.get(k)!r} to {now['model'][k]!r}" for k in diff]
+    old_t, t = saved.get("train", {}), now["train"]
+    for k in ("seed", "seq_len"):
+        if k in old_t and old_t[k] != t[k]:
+            warn.append(f"train.{k} changes from {old_t[k]} to {t[k]}: the data order is another "
+                        "one from here on, so sequences may repeat or be skipped")  # fmt: skip
+    if "data" in saved and saved["data"] != now["data"]:
+        keys = sorted(k for k in now["data"] if saved["data"].get(k) != now["data"][k])
+        warn.append(f"data.{', data.'.join(keys)} changed: training continues at the same sample "
+                    "position of the new data")  # fmt: skip
+    step = int((state or {}).get("step", 0))
+    if step and any(old_t.get(k) != t[k] for k in
+                    ("lr", "schedule", "max_steps", "warmup_steps", "min_lr_ratio", "decay_fraction")):  # fmt: skip
+        try:
+            before = lr_at(SimpleNamespace(**{**t, **old_t}), step - 1)
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError):
+            before = None
+        after = lr_at(cfg.train, step)
+        if before is not None and not math.isclose(before, after, rel_tol=0.05):
+            hint = (" (a cosine schedule depends on train.max_steps: extend runs with "
+                    "train.schedule=wsd, whose decay starts near the end)"
+                    if t["schedule"] == "cosine" and old_t.get("max_steps") != t["max_steps"] else "")  # fmt: skip
+            warn.append(f"the learning rate jumps from {before:.3g} (step {step}) to {after:.3g} "
+                        f"(step {step + 1}) under the changed schedule{hint}")  # fmt: skip
+    return warn
 
 
 def _check_init_from(hf_model, ours, path) -> None:
@@ -132,6 +167,11 @@ class _Run:
     engine: Any = None
     checkpointer: Checkpointer | None = None
     start_step: int = 0
+    # samples / tokens / FLOPs before start_step beyond start_step × this run's per-step amounts
+    # (another global batch or sequence length before a resume): the stream continues from there
+    sample_base: int = 0
+    tokens_base: int = 0
+    flops_base: float = 0.0
     nonfinite_in_row: int = 0
     skipped_total: int = 0
     grad_fault: Any = None
@@ -147,7 +187,10 @@ def _train(
     run.checkpointer = Checkpointer(run_dir, None, rank, t.keep_last)
     ck_dir = run.checkpointer.resolve(resume)
     if ck_dir is not None:
-        _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg)
+        state = json.loads((ck_dir / "state.json").read_text())
+        for w in _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg, state):
+            if rank == 0:
+                logger.warning("resuming %s: %s", ck_dir.name, w)
     _build(run, Engine, make_dispatcher, init_from=t.init_from if ck_dir is None else None)
     _restore(run, ck_dir)
 
@@ -178,10 +221,13 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
     rank, world, device = run.rank, run.world, run.device
     nan_steps = faults.nan_loss_steps()
     final: dict[str, Any] = {}
+    save_s = 0.0  # seconds spent saving since the last record, reported in the next one
     for step in range(run.start_step, t.max_steps):
         t0 = time.perf_counter()
         record, step_loads = _step(run, step, nan_steps)
+        step_s = time.perf_counter() - t0  # tokens/s and MFU: the step alone
         done = step + 1
+        t1 = time.perf_counter()
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(
                 run.engine, run.val_ds, layout, rank, world, device, t.eval_batches,
@@ -189,16 +235,20 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
             )  # fmt: skip
         evals = periodic_evals(run, done)  # {} unless harness tasks are due
         record.update(evals)
+        if "val_loss" in record or evals:
+            record["eval_s"] = round(time.perf_counter() - t1, 3)
         if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals:
-            metrics.log(
-                record, run.model, time.perf_counter() - t0, layout.tokens_per_step, step_loads
-            )
+            if save_s:
+                record["save_s"], save_s = round(save_s, 3), 0.0
+            metrics.log(record, run.model, step_s, layout.tokens_per_step, step_loads)
         else:
-            metrics.tick(time.perf_counter() - t0, layout.tokens_per_step)
+            metrics.tick(step_s, layout.tokens_per_step)
         final = record
         due = done % t.save_every == 0 or (done == t.max_steps and t.save_final)
         if due and run.nonfinite_in_row == 0:
+            t2 = time.perf_counter()
             _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
+            save_s += time.perf_counter() - t2
             last_saved = done
         signum = stop.agreed()  # collective: every rank stops at the same step
         if signum is not None and done < t.max_steps:
@@ -264,7 +314,18 @@ def _restore(run: _Run, ck_dir: Path | None) -> dict:
     if ck_dir is None:
         return {}
     state = run.checkpointer.restore(ck_dir)
-    run.start_step = int(state["step"])
+    run.start_step = s0 = int(state["step"])
+    lay = run.layout
+    run.sample_base = (
+        int(state.get("consumed_samples", s0 * lay.global_batch)) - s0 * lay.global_batch
+    )
+    run.tokens_base = (
+        int(state.get("tokens_seen", s0 * lay.tokens_per_step)) - s0 * lay.tokens_per_step
+    )
+    fpt = count(run.cfg.model, seq_len=run.cfg.train.seq_len).flops_per_token
+    run.flops_base = (
+        float(state.get("flops", s0 * lay.tokens_per_step * fpt)) - s0 * lay.tokens_per_step * fpt
+    )
     run.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
     run.skipped_total = int(state.get("skipped_steps", 0))
     if run.rank == 0:
@@ -279,8 +340,9 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     lr = lr_at(t, step)
     run.grad_fault.arm(step)
     micro = batches_for_step(
-        run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed
-    )
+        run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed,
+        first_sample=step * layout.global_batch + run.sample_base,
+    )  # fmt: skip
     # Sums stay on the device and inputs are copied without waiting: nothing in the micro-batch
     # loop makes the host wait for the GPU, so it prepares the next micro-batch meanwhile.
     stats = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, aux loss
@@ -355,14 +417,14 @@ def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yam
     layout = run.layout
     state = {
         "step": done,
-        "consumed_samples": done * layout.global_batch,
+        "consumed_samples": done * layout.global_batch + run.sample_base,
         "skipped_steps": run.skipped_total,
         "nonfinite_in_row": 0,
         "world_size": run.world,
         "ep_size": layout.ep_size,
         "zero_stage": layout.zero_stage,
-        "tokens_seen": done * layout.tokens_per_step,
-        "flops": done * layout.tokens_per_step * flops_per_token,
+        "tokens_seen": done * layout.tokens_per_step + run.tokens_base,
+        "flops": done * layout.tokens_per_step * flops_per_token + run.flops_base,
         "loss": record["loss"],
         "val_loss": record.get("val_loss"),
     }

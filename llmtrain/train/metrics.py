@@ -28,8 +28,10 @@ _GPU_PEAK_BF16 = {
 
 
 def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # a generator of its own: the run's random streams (restored on resume) must not move
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     best = float("inf")
