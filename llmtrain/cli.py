@@ -605,12 +605,28 @@ def describe_error(e: BaseException) -> str:
             errno.EISDIR: "give a file, not a directory",
         }.get(e.errno, "check the path")
         msg = f"{what}; {hint}"
+    elif _lost_peer(e):
+        msg = (
+            f"lost contact with another rank ({' '.join(str(e).split())[:160]}): a rank failed or "
+            "was killed, so look for the first error in the other ranks' output; the last "
+            "checkpoint is kept, continue with resume=auto"
+        )
     else:
         msg = (
             f"internal error {type(e).__name__}: {e} (this is a bug; rerun with --debug for the "
             "traceback and report it)"
         )
     return " ".join(msg.split()) or type(e).__name__
+
+
+# what gloo / NCCL / the TCP store say when the rank at the other end is gone
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "NCCL communicator was aborted", "remote process exited", "Connection refused",
+              "ProcessGroupNCCL's watchdog", "Socket Timeout", "failed to recv, got 0 bytes")  # fmt: skip
+
+
+def _lost_peer(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,12 +8,14 @@ its variable is unset.
 - LLMTRAIN_FAULT_NAN_STEPS=3,5   the loss of these steps is multiplied by NaN
 - LLMTRAIN_FAULT_GRAD_STEPS=3    one parameter's gradient becomes NaN on rank 0 (loss stays finite)
 - LLMTRAIN_FAULT_ENOSPC_SAVE=4   the checkpoint save of step 4 raises OSError(ENOSPC) midway
+- LLMTRAIN_FAULT_KILL_RANK=1@5   rank 1 SIGKILLs itself as step 5 starts (a lost node)
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 
 import torch
 
@@ -53,3 +55,10 @@ def maybe_disk_full(step: int, path: os.PathLike | str) -> None:
     """Raise ENOSPC inside the save of `step` when asked to (once some bytes are on disk)."""
     if step in steps("LLMTRAIN_FAULT_ENOSPC_SAVE"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def maybe_kill(rank: int, step: int) -> None:
+    """LLMTRAIN_FAULT_KILL_RANK=r@s: rank r dies at once (no cleanup) when step s starts."""
+    raw = os.environ.get("LLMTRAIN_FAULT_KILL_RANK", "")
+    if raw and raw == f"{rank}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -338,6 +338,7 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     cfg, t, layout, engine, model = run.cfg, run.cfg.train, run.layout, run.engine, run.model
     device, rank, world = run.device, run.rank, run.world
     lr = lr_at(t, step)
+    faults.maybe_kill(rank, step)
     run.grad_fault.arm(step)
     micro = batches_for_step(
         run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed,
