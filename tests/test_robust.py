@@ -161,6 +161,59 @@ def _interrupt(tmp_path, cache, nproc, sig):
     return run, rc, log.read_text()
 
 
+@pytest.mark.slow  # a 2-rank run
+def test_sigterm_to_the_deepspeed_command_alone_still_saves_and_stops(cache, tmp_path):
+    """`kill PID` of the `deepspeed` command (or a container's PID 1): its runner dies without
+    forwarding the signal; the ranks notice the launcher chain broke and stop as on SIGTERM."""
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    with open(log, "w") as out:
+        p = _start(run, 2, base(cache), out)
+        try:
+            _wait_for_steps(run, p, 3)
+            p.send_signal(signal.SIGTERM)  # the runner only, not its process group
+            p.wait(timeout=30)
+            _group_gone(p.pid)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "the deepspeed command exited" in text, text[-3000:]
+    _check_stopped(run, 1, text, "SIGTERM", 2)
+
+
+def test_launcher_chain_is_watched_only_under_deepspeeds_launcher(tmp_path):
+    """A fake runner -> launcher -> rank chain: killing the runner sets the rank's stop flag."""
+    code = (
+        "import sys, time; from llmtrain.train.signals import StopOnSignal, launcher_chain\n"
+        "assert launcher_chain() is not None\n"
+        "with StopOnSignal() as s:\n"
+        "    print('ready', flush=True)\n"
+        "    for _ in range(100):\n"
+        "        time.sleep(0.1)\n"
+        "        if s.received: print('stop', s.name(s.received), flush=True); break\n"
+    )
+    launcher = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}]); "
+                "sys.argv  # deepspeed.launcher.launch")  # fmt: skip
+    runner = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {launcher!r}, 'deepspeed.launcher.launch'])"
+    p = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True,
+                         cwd=ROOT, start_new_session=True)  # fmt: skip
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert p.stdout.readline().strip() == "stop SIGTERM"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL) if p.poll() is None else None
+        _group_gone(p.pid, timeout=20)
+    assert launcher_chain_here() is None
+
+
+def launcher_chain_here():
+    from llmtrain.train.signals import launcher_chain
+
+    return launcher_chain()  # pytest's parent is no deepspeed launcher
+
+
 def _check_stopped(run, rc, text, name, nproc):
     assert rc != 0
     lines = [ln for ln in text.splitlines() if "error: stopped by" in ln]

@@ -1,9 +1,15 @@
 """SIGTERM / SIGINT during training: stop at the next step boundary with a checkpoint.
 
 Why a collective flag: under the deepspeed launcher each rank gets the signal at its own moment
-(Ctrl-C reaches every process of the terminal's group; a scheduler's SIGTERM reaches the launcher,
-which forwards SIGTERM to every rank). Stopping where each rank happened to be would leave the
-others waiting in a collective. Instead the handler only records the signal, and at every step
+(Ctrl-C reaches every process of the terminal's group; a scheduler that signals the job's
+process group reaches every rank). Stopping where each rank happened to be would leave the
+others waiting in a collective.
+
+A SIGTERM sent to the `deepspeed` command alone (`kill PID`, a container's PID 1) reaches no
+rank: its runner forwards signals only for multi-node pdsh launches (launcher/runner.py, 0.19.8)
+and dies, leaving the per-node `deepspeed.launcher.launch` and the ranks running on. So each
+rank also watches that chain: when the per-node launcher loses its parent (the runner exited)
+or the rank loses its launcher, the rank acts as on SIGTERM. Instead the handler only records the signal, and at every step
 boundary the ranks all-reduce (max) their flags: all see the same answer at the same step, all
 save the same checkpoint and all stop.
 
@@ -16,7 +22,9 @@ again) exits at once without saving.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import time
 
 import torch
@@ -30,11 +38,13 @@ FORCE_AFTER_S = 2.0
 class StopOnSignal:
     """Context manager: records SIGTERM/SIGINT while active; `agreed()` is the collective check."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch_launcher: bool = True) -> None:
         self.received: int | None = None
         self.at = 0.0
         self.armed = False
         self._old: dict[int, object] = {}
+        self._watch = watch_launcher
+        self._done = threading.Event()
 
     def arm(self) -> None:
         """Training has started: from now on a signal is recorded, not acted on at once."""
@@ -62,12 +72,27 @@ class StopOnSignal:
                 self._old[s] = signal.signal(s, self._handle)
             except ValueError:  # not the main thread (e.g. an embedding application): no-op
                 pass
+        chain = launcher_chain() if self._watch else None
+        if chain is not None:
+            self._done.clear()
+            threading.Thread(target=self._watch_chain, args=chain, daemon=True,
+                             name="llmtrain-launcher-watch").start()  # fmt: skip
         return self
 
     def __exit__(self, *exc) -> None:
+        self._done.set()
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
+
+    def _watch_chain(self, launcher: int, runner: int, poll_s: float = 1.0) -> None:
+        while not self._done.wait(poll_s):
+            if os.getppid() != launcher or _ppid(launcher) != runner:
+                if self.received is None:
+                    logger.warning("the deepspeed command exited: stopping at the next step "
+                                   "boundary with a checkpoint, as on SIGTERM")  # fmt: skip
+                    self.received, self.at = int(signal.SIGTERM), time.monotonic()
+                return
 
     def agreed(self) -> int | None:
         """Collective: the signal number if any rank received one, else None (same on all)."""
@@ -84,3 +109,27 @@ class StopOnSignal:
     @staticmethod
     def name(signum: int) -> str:
         return signal.Signals(signum).name
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of `pid` (Linux /proc), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def launcher_chain() -> tuple[int, int] | None:
+    """(per-node launcher pid, its parent's pid) when this process runs under DeepSpeed's
+    `deepspeed.launcher.launch`; None otherwise (one process, torchrun, no /proc)."""
+    launcher = os.getppid()
+    try:
+        with open(f"/proc/{launcher}/cmdline", "rb") as fh:
+            cmd = fh.read()
+    except OSError:
+        return None
+    if b"deepspeed.launcher.launch" not in cmd:
+        return None
+    runner = _ppid(launcher)
+    return None if runner is None or runner <= 1 else (launcher, runner)
