@@ -94,7 +94,7 @@ def test_resume_with_another_global_batch_continues_the_sample_stream(reference,
                 "model.bias_update_speed=0.0")  # fmt: skip
     p = run_train(run, 1, over)
     assert "model.bias_update_speed changes from 0.001 to 0.0" in p.stderr
-    assert "learning rate jumps" in p.stderr and "train.schedule=wsd" in p.stderr
+    assert "learning rate jumps" in p.stderr and "set the final value" in p.stderr
     state = json.loads((run / "checkpoints" / "step_00000012" / "state.json").read_text())
     assert state["consumed_samples"] == 10 * 8 + 2 * 16
     assert state["tokens_seen"] == (10 * 8 + 2 * 16) * 128

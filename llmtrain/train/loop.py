@@ -97,9 +97,9 @@ def _check_resumed_config(saved_yaml: str, cfg: Config, state: dict | None = Non
             before = None
         after = lr_at(cfg.train, step)
         if before is not None and not math.isclose(before, after, rel_tol=0.05):
-            hint = (" (a cosine schedule depends on train.max_steps: extend runs with "
-                    "train.schedule=wsd, whose decay starts near the end)"
-                    if t["schedule"] == "cosine" and old_t.get("max_steps") != t["max_steps"] else "")  # fmt: skip
+            hint = (" (the schedule depends on train.max_steps: set the final value from the "
+                    "start, or with train.schedule=wsd extend from a checkpoint saved before the "
+                    "decay began)" if old_t.get("max_steps") != t["max_steps"] else "")  # fmt: skip
             warn.append(f"the learning rate jumps from {before:.3g} (step {step}) to {after:.3g} "
                         f"(step {step + 1}) under the changed schedule{hint}")  # fmt: skip
     return warn
