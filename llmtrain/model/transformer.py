@@ -338,7 +338,9 @@ def build_model(
     weight, and `gather` (see `init_weights`) initialises them one weight at a time.
 
     Router weights and the correction bias stay fp32 whatever `dtype` is: routing decisions are
-    made in fp32, as in DeepSeek-V3.
+    made in fp32, as in DeepSeek-V3. The weights are allocated in `dtype` directly (the cast
+    happens on the meta device), so a bf16 model never holds an fp32 copy: each weight is drawn
+    in fp32 one at a time and rounded, the values a cast of an fp32 model would give.
     """
     if init_context is not None:
         with init_context():
@@ -347,13 +349,15 @@ def build_model(
         return model
     with torch.device("meta"):
         model = Transformer(cfg, dispatcher)
-    if str(device) == "meta":
-        return model
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.init_weights(seed or 0)
     if dtype != torch.float32:
         model.to(dtype)
         for m in model.moe_layers():
             m.gate.float()
+    if str(device) == "meta":
+        return model
+    model = model.to_empty(device=device)
+    for m in model.moe_layers():
+        m.keep_routing_state_fp32()
+    model.tie_weights()
+    model.init_weights(seed or 0)
     return model

@@ -291,7 +291,11 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     dispatcher = make_dispatcher(run.layout)
     hooks = sharded_build(cfg, run.layout, dispatcher)
     partition = hooks.pop("partition", None)
-    model = build_model(cfg.model, device=run.device, seed=t.seed, dispatcher=dispatcher, **hooks)
+    # bf16 weights from the start (routers fp32): DeepSpeed makes its fp32 masters from the bf16
+    # weights anyway, and an fp32 model would need twice the device memory before the engine
+    dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
+    model = build_model(cfg.model, device=run.device, dtype=dtype, seed=t.seed,
+                        dispatcher=dispatcher, **hooks)  # fmt: skip
     if init_from:
         from llmtrain.hf import load_hf_into, model_config_from_hf
 
