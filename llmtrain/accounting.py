@@ -459,6 +459,12 @@ def activation_bytes(
             "peak": peak}  # fmt: skip
 
 
+def _router_numel(c: ModelConfig) -> int:
+    """Router weights [E, D] of every MoE layer, the MTP blocks' included."""
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers + c.mtp_depth))
+    return moe_layers * c.n_routed_experts * c.hidden_size
+
+
 def memory_per_rank(
     c: ModelConfig,
     world_size: int,
@@ -471,6 +477,7 @@ def memory_per_rank(
     offload_optimizer: bool = False,
     device: str = "cpu",
     attn_kernel: str | None = None,
+    async_save: bool = False,
 ) -> dict[str, float]:
     """Predicted peak bytes per rank while training, broken down (the parts sum to `total`).
 
@@ -486,7 +493,12 @@ def memory_per_rank(
     `offload_optimizer` master weights, moments and the fp32 gradient partition live in host
     memory: on CUDA they move to `host_bytes`, on CPU they stay in the total. `attn_kernel`
     overrides `attention_kernel`'s config-only guess ("flash" on CUDA in half precision) when the
-    caller knows which kernel runs (no flash-attn installed: "fused").
+    caller knows which kernel runs (no flash-attn installed: "fused"). `async_save`
+    (train.async_save) stages a copy of the rank's checkpoint pieces (fp32 weights and both
+    moments of its partition) in host memory while the background write runs:
+    `checkpoint_staging`, in `host_bytes` on CUDA and in the total on CPU. Under ZeRO-3 in bf16
+    each rank also keeps the routers' full fp32 weights (routing is fp32; the engine gathers
+    them after each step), counted in `weights`.
     """
     if world_size < 1 or ep_size < 1 or world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
@@ -540,6 +552,8 @@ def memory_per_rank(
         # gather/gradient buffers in its heap, which grows over steps (see the benchmark notes)
         bucket = min(held, DS_REDUCE_BUCKET)
         out["deepspeed_buffers"] = w * (live + 2 * bucket)
+        if w < 4:  # parallel/engine.py keep_routing_fp32: full fp32 router weights per rank
+            out["weights"] += 4 * _router_numel(c)
     if seq_len:
         backend = attn_kernel or attention_kernel(c, device, dtype)
         act = activation_bytes(c, micro_batch, seq_len, dtype, activation_checkpointing, backend)
@@ -562,7 +576,15 @@ def memory_per_rank(
     out["model_states"] = sum(
         out[k] for k in ("weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers")
     )
-    out["total"] = out["model_states"] + out["activations"] + out["runtime"]
+    # train/checkpointing.py save(asynchronous=True): every piece copied to host memory at once
+    staging = 12.0 * (held if zero_stage == 0 else s.part) if async_save else 0.0
+    if device == "cuda":
+        host += staging
+        out["checkpoint_staging"] = 0.0
+    else:
+        out["checkpoint_staging"] = staging
+    out["total"] = (out["model_states"] + out["activations"] + out["runtime"]
+                    + out["checkpoint_staging"])  # fmt: skip
     out["host_bytes"] = host
     out["zero_stage"] = float(zero_stage)  # the stage DeepSpeed runs
     out["zero_stage_requested"] = float(requested)

@@ -49,6 +49,7 @@ _MEMORY_ROWS = [
     ("deepspeed_buffers", "  DeepSpeed buckets / live params"),
     ("activations", "  activations (one micro-batch)"),
     ("runtime", "  runtime (framework resident)"),
+    ("checkpoint_staging", "  async-save host copy (fp32 weights + moments)"),
 ]
 
 
@@ -74,6 +75,7 @@ def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, 
         "offload_optimizer": pick(args.offload_optimizer, "train", "offload_optimizer", False),
         "device": args.device,
         "attn_kernel": args.attn_kernel,
+        "async_save": pick(args.async_save, "train", "async_save", False),
     }
 
 
@@ -145,12 +147,16 @@ def cmd_count(args: argparse.Namespace) -> int:
             f"B={inputs['micro_batch']}, T={inputs['seq_len']}"
             + (", act. ckpt" if inputs["activation_checkpointing"] else "")
             + (", offload" if inputs["offload_optimizer"] else "")
+            + (", async save" if inputs["async_save"] else "")
             + f", {args.device})"
         )
         rows.append((label, _fmt_bytes(mem["total"])))
-        rows += [(name, _fmt_bytes(mem[k])) for k, name in _MEMORY_ROWS]
+        rows += [(name, _fmt_bytes(mem[k])) for k, name in _MEMORY_ROWS
+                 if k != "checkpoint_staging" or mem[k]]  # fmt: skip
         if mem["host_bytes"] and args.device == "cuda":
-            rows.append(("  host memory (offloaded optimizer)", _fmt_bytes(mem["host_bytes"])))
+            what = ", ".join(x for x, on in (("offloaded optimizer", inputs["offload_optimizer"]),
+                                             ("async-save copy", inputs["async_save"])) if on)  # fmt: skip
+            rows.append((f"  host memory ({what})", _fmt_bytes(mem["host_bytes"])))
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
@@ -326,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per rank per forward (default: train.micro_batch_size, or 1)")  # fmt: skip
     c.add_argument("--activation-checkpointing", action="store_true", default=None)
     c.add_argument("--offload-optimizer", action="store_true", default=None)
+    c.add_argument("--async-save", action="store_true", default=None,
+                   help="count train.async_save's host copy of the checkpoint pieces")  # fmt: skip
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="whose runtime overhead and attention kernel to assume")  # fmt: skip
     c.add_argument("--attn-kernel", default=None, choices=["flash", "fused", "math", "reference"],

@@ -91,7 +91,7 @@ def test_cli_count_table_and_errors(capsys, tmp_path):
 # ---------------------------------------------------------------- memory per rank
 
 PARTS = ("weights", "master_weights", "gradients", "optimizer", "deepspeed_buffers",
-         "activations", "runtime")  # fmt: skip
+         "activations", "runtime", "checkpoint_staging")  # fmt: skip
 
 
 def _debug_model_cfg():
@@ -105,6 +105,26 @@ def test_memory_breakdown_sums_to_total():
         assert m["total"] == pytest.approx(sum(m[k] for k in PARTS))
         assert m["model_states"] == pytest.approx(sum(m[k] for k in PARTS[:5]))
         assert all(m[k] >= 0 for k in PARTS) and m["activations"] > 0 and m["runtime"] > 0
+
+
+def test_async_save_copy_and_zero3_fp32_routers_are_counted():
+    """train.async_save stages fp32 weights + both moments of the rank's partition in host
+    memory; ZeRO-3 in bf16 keeps every router's full fp32 weight on each rank."""
+    cfg = _debug_model_cfg()
+    n = count(cfg).total_params
+    for stage in (1, 3):
+        plain = memory_per_rank(cfg, 4, stage, 1, "bf16")
+        cpu = memory_per_rank(cfg, 4, stage, 1, "bf16", async_save=True)
+        gpu = memory_per_rank(cfg, 4, stage, 1, "bf16", async_save=True, device="cuda")
+        part = plain["master_weights"] / 4  # this rank's partition, in elements
+        assert part == pytest.approx(n / 4, rel=0.3)
+        assert cpu["checkpoint_staging"] == 12 * part
+        assert cpu["total"] == pytest.approx(plain["total"] + 12 * part)
+        assert gpu["checkpoint_staging"] == 0 and gpu["host_bytes"] == 12 * part
+    routers = (cfg.num_layers - cfg.first_k_dense_replace) * cfg.n_routed_experts * cfg.hidden_size
+    z3 = memory_per_rank(cfg, 4, 3, 1, "bf16")
+    z3_fp32 = memory_per_rank(cfg, 4, 3, 1, "fp32")
+    assert z3["weights"] == pytest.approx(2 * (z3_fp32["weights"] / 4) + 4 * routers)
 
 
 def test_zero_stages_divide_what_they_should():
