@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
     a.add_argument(
         "--law",
-        default="chinchilla",
-        help="chinchilla, epoch, krajewski2024[-e16], ludziejewski2025, or a fit JSON",
+        default="epoch",
+        help="epoch (Besiroglu et al.'s refit of Chinchilla, the default), chinchilla (Hoffmann "
+        "et al.'s Approach 3), krajewski2024[-e16], ludziejewski2025, or a fit JSON",
     )
     a.add_argument(
         "--to-config", metavar="FAMILY.yaml", help="write a ready-to-run config of this family"
@@ -409,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budgets", type=float, nargs="+", required=True)
     sp.add_argument("--family", required=True)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--law", default="chinchilla", help="centres each budget's sizes on its N_opt")
+    sp.add_argument("--law", default="epoch", help="centres each budget's sizes on its N_opt")
     sp.add_argument("--sizes", type=int, default=4)
     sp.add_argument("--spread", type=float, default=8.0, help="largest / smallest size per budget")
     sp.add_argument("--hyper", action="store_true", help="batch and LR from DeepSeek's power laws")

@@ -313,3 +313,103 @@ def test_sweep_runs_skips_finished_and_survives_a_crash(tmp_path, capsys):
     assert all(v == "done (skipped)" for k, v in again.items() if k != m["runs"][0]["name"])
     out = sw.collect(tmp_path)
     assert len(out.read_text().splitlines()) == len(m["runs"])  # header + all but the broken one
+
+
+# ---------------------------------------------------------------- audit regressions
+
+
+def _llama3_runs(order=None) -> Runs:
+    rows = list(csv.DictReader(open(DATA / "llama3_isoflops" / "isoflops_points.csv")))
+    if order is not None:
+        rows = [rows[i] for i in order(len(rows))]
+    C = np.array([float(r["compute_budget"]) for r in rows])
+    D = np.array([float(r["training_tokens"]) for r in rows])
+    L = np.array([float(r["validation_loss"]) for r in rows])
+    return Runs(C / (6 * D), D, C, L, np.ones(len(L), bool), [f"row{i}" for i in range(len(L))])
+
+
+def test_approach1_envelope_does_not_depend_on_row_order():
+    """IsoFLOP runs share C: the envelope keeps each budget's minimum, whatever the order (it
+    gave N_opt ∝ C^0.445, 0.497 or 0.461 for the same Llama 3 points in three orders)."""
+    rng = np.random.default_rng(0)
+    fits = [fit_approach1(_llama3_runs(o)) for o in
+            (None, lambda n: range(n - 1, -1, -1), lambda n: rng.permutation(n))]  # fmt: skip
+    assert len({round(f["a_exp"], 12) for f in fits}) == 1
+    assert len(fits[0]["envelope"]) <= 10  # at most one point per budget
+    boot = fit_approach1(_llama3_runs(), bootstrap=100)["bootstrap"]["ci95"]["a_exp"]
+    assert boot[0] <= fits[0]["a_exp"] <= boot[1]
+
+
+def test_approach2_bootstrap_keeps_every_budget_and_brackets_the_estimate():
+    """Resampling runs within a budget often left < 3 sizes; a resample losing a budget was
+    thrown away (or, with one budget short, the whole bootstrap failed)."""
+    r = read_csv(DATA / "epoch_chinchilla" / "svg_extracted_data.csv")
+    keep = np.ones(len(r), bool)
+    keep[np.argsort(r.loss, kind="stable")[-5:]] = False
+    out = fit_approach2(r.subset(keep), bootstrap=50)
+    b = out["bootstrap"]
+    assert b["failed_resamples"] < 5 and b["resamples"] >= 45
+    lo, hi = b["ci95"]["a_exp"]
+    assert lo < out["a_exp"] < hi
+    li = fit_approach2(
+        read_csv(DATA / "misfitting_li2025" / "scaling_results_min.csv").subset(
+            read_csv(DATA / "misfitting_li2025" / "scaling_results_min.csv").final
+        ),
+        bootstrap=50,
+    )
+    lo, hi = li["bootstrap"]["ci95"]["a_exp"]
+    assert lo < li["a_exp"] < hi
+
+
+def test_approach2_tokens_at_the_optimum_follow_the_runs_own_flops(tmp_path):
+    """C counted with attention (sweeps, run directories) is not 6ND: D_opt comes from the
+    budget's own (N, D) runs, not C/(6 N_opt)."""
+    N = np.repeat([[1e6, 2e6, 4e6, 8e6]], 3, axis=0).ravel()
+    C = np.repeat([1e15, 4e15, 1.6e16], 4)
+    D = C / (7.2 * N)  # 1.2 x 6N FLOPs per token
+    L = 2 + 0.1 * (np.log(N) - np.log(np.sqrt(C / 7.2 / 20))) ** 2
+    out = fit_approach2(Runs(N, D, C, L, np.ones(len(L), bool)))
+    for m in out["minima"]:
+        assert m["d_opt"] == pytest.approx(m["C"] / (7.2 * m["n_opt"]), rel=1e-6)
+
+
+def test_scaling_input_mistakes_get_one_line_each(tmp_path, capsys):
+    bad = tmp_path / "nofinal.csv"
+    bad.write_text(
+        "N,D,C,loss,portion_steps_elapsed\n1e6,1e8,6e14,3.0,0.5\n2e6,1e8,1.2e15,2.9,0.5\n"
+    )
+    assert main(["scaling", "fit", str(bad), "--approach", "1"]) == 2
+    assert "no finished run" in capsys.readouterr().err
+    nan = tmp_path / "nan.csv"
+    nan.write_text("N,D,loss\n1e6,1e8,3.0\n2e6,1e8,nan\n4e6,1e8,2.8\n")
+    assert main(["scaling", "fit", str(nan), "--approach", "2"]) == 2
+    assert f"{nan}:3" in capsys.readouterr().err  # the file's own line, not a row index
+    assert main(["scaling", "fit", str(nan), "--drop-highest", "1"]) == 2
+    assert f"{nan}:3" in capsys.readouterr().err
+    fam = str(ROOT / "configs" / "families" / "debug_family.yaml")
+    for argv, needle in (
+        (["scaling", "allocate", "--law", "ludziejewski2025", "--flops", "1e22", "--experts", "0"], "--experts 0"),
+        (["scaling", "allocate", "--law", "krajewski2024", "--flops", "1e20", "--granularity", "0"], "--granularity 0"),
+        (["scaling", "allocate", "--law", "abnar2025", "--flops", "1e20"], "could not be retrieved"),
+        (["scaling", "sweep", "plan", "--budgets", "1e12", "--family", fam, "--out", str(tmp_path / "s"), "--center-factor", "0"], "--center-factor"),
+        (["scaling", "sweep", "plan", "--budgets", "1e20", "--family", fam, "--out", str(tmp_path / "s"), "--sizes", "4"], "needs >= 3"),
+    ):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "internal error" not in err, (argv, err)
+
+
+def test_drop_highest_drops_exactly_k_with_ties():
+    from llmtrain.scaling.commands import drop_highest
+
+    loss = np.array([2.0, 3.0, 2.5, 3.0, 3.0, 2.2])
+    r = Runs(np.arange(1.0, 7), np.ones(6), np.ones(6), loss, np.ones(6, bool))
+    assert sorted(drop_highest(r, 1).loss.tolist()) == [2.0, 2.2, 2.5, 3.0, 3.0]
+    assert sorted(drop_highest(r, 4).loss.tolist()) == [2.0, 2.2]
+
+
+def test_default_law_is_the_epoch_refit(capsys):
+    assert main(["scaling", "allocate", "--flops", "5.76e23", "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert a["law"]["name"] == "epoch"
+    assert a["d_opt"] / a["n_opt"] == pytest.approx(18.4, rel=0.05)

@@ -109,8 +109,7 @@ def fit(args) -> int:
     if args.bootstrap < 0:
         raise ScalingError(f"--bootstrap {args.bootstrap}: give 0 or more resamples")
     if args.drop_highest:
-        keep = runs.loss < np.sort(runs.loss)[-args.drop_highest]
-        runs = runs.subset(keep)
+        runs = drop_highest(runs, args.drop_highest)
     approaches = ["1", "2", "3"] if args.approach == "all" else [args.approach]
     finished = runs.subset(runs.final)
     results: dict = {"n_points": len(runs), "n_finished": len(finished)}
@@ -224,6 +223,8 @@ def sweep(args) -> int:
             raise ScalingError(f"--budgets {bad[0]}: every budget must be a finite number > 0")
         if args.sizes < 1 or not (np.isfinite(args.spread) and args.spread >= 1):
             raise ScalingError("--sizes must be >= 1 and --spread a finite number >= 1")
+        if not (np.isfinite(args.center_factor) and args.center_factor > 0):
+            raise ScalingError(f"--center-factor {args.center_factor}: give a number > 0")
         m = sw.plan(
             args.budgets,
             args.family,
@@ -248,3 +249,15 @@ def sweep(args) -> int:
     else:
         print(sw.collect(Path(args.sweep), Path(args.out) if args.out else None))
     return 0
+
+
+def drop_highest(runs, k: int):
+    """The runs without the `k` highest losses: exactly k, ties broken by order (a NaN loss is
+    an error naming its row, not the highest loss)."""
+    from llmtrain.scaling.fit import check_runs
+
+    if (~np.isfinite(runs.loss)).any():
+        check_runs(runs, "--drop-highest")
+    keep = np.ones(len(runs), dtype=bool)
+    keep[np.argsort(runs.loss, kind="stable")[len(runs) - k :]] = False
+    return runs.subset(keep)

@@ -49,18 +49,24 @@ class Runs:
                     [self.run[i] for i in idx] if self.run else [])  # fmt: skip
 
 
+def _where(r: Runs, idx) -> str:
+    """Where the points `idx` came from: file:line (CSV) or run directory, else row numbers."""
+    idx = list(idx)[:5]
+    if r.run:
+        return ", ".join(str(r.run[i]) for i in idx)
+    return "row(s) " + ", ".join(str(i) for i in idx)
+
+
 def check_runs(r: Runs, what: str) -> None:
     for name in ("N", "D", "C", "loss"):
         v = getattr(r, name)
         bad = np.nonzero(~np.isfinite(v))[0]
         if len(bad):
-            raise ScalingError(f"{what}: {name} is NaN or infinite in row(s) {bad[:5].tolist()}; "
+            raise ScalingError(f"{what}: {name} is NaN or infinite at {_where(r, bad)}; "
                                "drop those runs (a crashed run has no final loss)")  # fmt: skip
         bad = np.nonzero(v <= 0)[0]
         if len(bad):
-            raise ScalingError(
-                f"{what}: {name} must be positive; row(s) {bad[:5].tolist()} are not"
-            )
+            raise ScalingError(f"{what}: {name} must be positive; it is not at {_where(r, bad)}")
 
 
 # ---------------------------------------------------------------- Approach 3
@@ -267,7 +273,11 @@ def _isoflop_minima(r: Runs, labels, k: float) -> list[dict]:
         if not (math.isfinite(n_opt) and n_opt > 0):
             m["excluded"] = "the parabola's minimum is not a finite model size"
             continue
-        m.update(n_opt=n_opt, d_opt=c / (k * n_opt), loss_min=float(c0 - c1 * c1 / (4 * c2)))
+        # D at the optimum from the budget's own runs (log D linear in log N at a fixed budget):
+        # C/(6·N_opt) would mix conventions when C counts attention (sweeps, run directories)
+        pd, qd = np.polyfit(x, np.log(r.D[sel]), 1)
+        d_opt = float(np.exp(qd + pd * xs)) if np.ptp(np.log(r.D[sel])) > 0 else c / (k * n_opt)
+        m.update(n_opt=n_opt, d_opt=d_opt, loss_min=float(c0 - c1 * c1 / (4 * c2)))
     return out
 
 
@@ -300,18 +310,43 @@ def fit_approach2(r: Runs, bootstrap: int = 0, seed: int = 0, k: float = 6.0) ->
         "excluded": excluded,
     }
     if bootstrap:
-        rng = np.random.default_rng(seed)
-        groups = np.unique(labels)[used]
-        fits = []
-        for _ in range(bootstrap):
-            idx = np.concatenate(
-                [rng.choice(np.nonzero(labels == g)[0], (labels == g).sum()) for g in groups]
-            )
-            mm = _isoflop_minima(r.subset(idx), labels[idx], k)
-            if any(m["excluded"] for m in mm):
-                continue  # a resample without curvature says nothing about the optimum
-            fits.append(tuple(np.array([m[key] for m in mm]) for key in ("C", "n_opt", "d_opt")))
-        out["bootstrap"] = _frontier_bootstrap(fits, seed)
+        out["bootstrap"] = _isoflop_bootstrap(r, labels, minima, used, bootstrap, seed, k)
+    return out
+
+
+def _isoflop_bootstrap(r: Runs, labels, minima, used, bootstrap: int, seed: int, k: float):
+    """Residual bootstrap of the IsoFLOP parabolas: the sizes tried stay as they are (resampling
+    runs would often leave a budget under 3 distinct sizes and drop it, making the interval
+    conditional on the budgets that survived); each budget's losses become its fitted parabola
+    plus residuals drawn from all usable budgets (degrees-of-freedom corrected). A resample
+    uses every budget whose parabola still has a usable minimum, as the point estimate does."""
+    rng = np.random.default_rng(seed)
+    groups = np.unique(labels)[used]
+    fitted = {}
+    pooled = []
+    for g, i in zip(groups, used):
+        sel = np.nonzero(labels == g)[0]
+        yhat = np.polyval(minima[i]["coef"], np.log(r.N[sel]))
+        fitted[g] = (sel, yhat)
+        n = len(sel)
+        if n > 3:
+            pooled.append((r.loss[sel] - yhat) * math.sqrt(n / (n - 3)))
+    res = np.concatenate(pooled) if pooled else np.zeros(1)
+    idx = np.concatenate([fitted[g][0] for g in groups])
+    fits, short = [], 0
+    for _ in range(bootstrap):
+        sub = r.subset(idx)
+        sub.loss = np.concatenate([fitted[g][1] + rng.choice(res, len(fitted[g][0]))
+                                   for g in groups])  # fmt: skip
+        mm = [m for m in _isoflop_minima(sub, labels[idx], k) if m["excluded"] is None]
+        if len(mm) < 2:
+            short += 1
+            continue
+        fits.append(tuple(np.array([m[key] for m in mm]) for key in ("C", "n_opt", "d_opt")))
+    out = _frontier_bootstrap(fits, seed)
+    out["method"] = "residual (pooled, df-corrected)"
+    out["residual_df"] = int(sum(len(p) for p in pooled))
+    out["failed_resamples"] = short
     return out
 
 
@@ -332,16 +367,13 @@ def fit_approach1(
             "finished run of that length)" if allow_intermediate else
             f"only end-of-schedule points used: {len(pts)} of {len(r)} points are finished runs")  # fmt: skip
 
-    def envelope(p: Runs):
-        order = np.argsort(p.C)
-        keep, best = [], np.inf
-        for i in order:
-            if p.loss[i] < best:
-                best = p.loss[i]
-                keep.append(i)
-        return p.subset(np.array(keep))
+    if len(pts) == 0:
+        raise ScalingError(
+            "approach 1 found no finished run (portion_steps_elapsed < 1 everywhere); "
+            "give finished runs or pass --intermediate to use every checkpoint"
+        )
 
-    env = envelope(pts)
+    env = _envelope(pts)
     if len(env) < 3 or env.C.max() / env.C.min() < 3:
         raise ScalingError(f"approach 1 found {len(env)} envelope points over a compute range of "
                            f"{env.C.max() / env.C.min():.2g}x; it needs >= 3 spanning a wider range")  # fmt: skip
@@ -351,11 +383,30 @@ def fit_approach1(
                                       for c, n, d, l in zip(env.C, env.N, env.D, env.loss)],
            "a_exp": a, "n_coef": ka, "b_exp": b, "d_coef": kb}  # fmt: skip
     if bootstrap:
+        # pairs bootstrap of the power-law fits over the envelope points. Resampling all points
+        # and taking the envelope again is biased: a resample's minimum loss at a budget is
+        # never below the full data's, and its interval excluded the estimate (Li et al. data)
         rng = np.random.default_rng(seed)
         fits = []
         for _ in range(bootstrap):
-            e = envelope(pts.subset(rng.integers(0, len(pts), len(pts))))
-            if len(e) >= 3:
-                fits.append((e.C, e.N, e.D))
+            i = rng.integers(0, len(env), len(env))
+            if len(np.unique(env.C[i])) >= 2:
+                fits.append((env.C[i], env.N[i], env.D[i]))
         out["bootstrap"] = _frontier_bootstrap(fits, seed)
+        out["bootstrap"]["method"] = "pairs over the envelope points"
     return out
+
+
+def _envelope(p: Runs) -> Runs:
+    """The lowest loss reached at each compute, kept where it beats every smaller compute:
+    one point per compute value (runs of one IsoFLOP budget share C), whatever the row order."""
+    order = np.lexsort((p.loss, p.C))  # by C, then loss: the first of each C is its minimum
+    keep, best, last_c = [], np.inf, None
+    for i in order:
+        if p.C[i] == last_c:
+            continue
+        last_c = p.C[i]
+        if p.loss[i] < best:
+            best = p.loss[i]
+            keep.append(i)
+    return p.subset(np.array(keep, dtype=int))

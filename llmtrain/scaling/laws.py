@@ -110,8 +110,12 @@ def load_law(spec: str) -> Law:
         return BUILTIN_LAWS[spec]
     p = Path(spec)
     if not p.is_file():
+        from llmtrain.scaling.registry import NOT_REGISTERED, REGISTRY
+
+        why = f" ({NOT_REGISTERED[spec]})" if spec in NOT_REGISTERED else ""
         raise ScalingError(
-            f"law {spec!r} is neither built in ({', '.join(BUILTIN_LAWS)}) nor a file"
+            f"law {spec!r}{why} is neither built in (dense: {', '.join(BUILTIN_LAWS)}; MoE: "
+            f"{', '.join(k for k, v in REGISTRY.items() if v.kind != 'dense')}) nor a fit JSON file"
         )
     data = json.loads(p.read_text())
     params = data.get("approach3", {}).get("params") or data.get("params") or data

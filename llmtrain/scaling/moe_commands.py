@@ -4,11 +4,14 @@ moe-joint|moe-granular` and `scaling sweep plan --experts ...`: text and JSON re
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 from llmtrain.scaling.laws import ScalingError, fmt_si, load_law
 from llmtrain.scaling.registry import get_spec
+
+logger = logging.getLogger(__name__)
 
 
 def _row(label: str, value: str) -> None:
@@ -20,6 +23,11 @@ def allocate(args) -> int:
 
     spec = get_spec(args.law)
     law = load_moe_law(args.law)
+    for flag, v in (("--experts", args.experts), ("--granularity", args.granularity)):
+        if v is not None and v < 1:
+            raise ScalingError(f"{flag} {v}: give a whole number >= 1")
+    if args.memory is not None and not args.memory > 0:
+        raise ScalingError(f"--memory {args.memory}: give the memory limit in GB (> 0)")
     if args.flops is None:
         raise ScalingError(
             f"--law {args.law} answers --flops C (with --experts, --granularity, --memory)"
@@ -33,6 +41,9 @@ def allocate(args) -> int:
             experts = [args.experts] if args.experts else list(LUDZIEJEWSKI_EXPERTS)
             a = law.allocate_memory(args.flops, args.memory * 1e9, experts, args.kv_tokens)
         else:
+            if args.experts is not None and args.experts > max(LUDZIEJEWSKI_EXPERTS):
+                logger.warning("--experts %d lies beyond the E <= %d the paper fitted: an "
+                               "extrapolation", args.experts, max(LUDZIEJEWSKI_EXPERTS))  # fmt: skip
             a = law.allocate(args.flops, args.experts or 8)
             a["per_experts"] = [law.allocate(args.flops, e) for e in LUDZIEJEWSKI_EXPERTS]
         a["granularity"], a["top_k"] = 1, 1
@@ -58,7 +69,9 @@ def allocate(args) -> int:
         )
         G = int(a["granularity"])
         k1 = int(moe_rules(args.to_config)["top_k"])
-        cfg, info = config_for(Family(args.to_config), a["n_act"], a["flops"], E, G, k1, hyper=True)
+        # Krajewski et al. count N without embeddings; Ludziejewski et al. with them (registry)
+        cfg, info = config_for(Family(args.to_config), a["n_act"], a["flops"], E, G, k1, hyper=True,
+                               non_embedding=spec.kind == "granular")  # fmt: skip
         out = Path(args.out or "allocated.yaml")
         write_config(cfg, out, f"llmtrain scaling allocate --flops {a['flops']:.4g} --law {args.law} "
                      f"--to-config {args.to_config}\nlaw: N_act {a['n_act']:.4g}, E {E}, G {G} -> "

@@ -61,15 +61,18 @@ class _Member:
         return c, count(c.model, seq_len=c.train.seq_len).active_params
 
 
-def closest_variant(fam: Family, n_act: float, experts: int, granularity: int, top_k1: int = 1):
-    """The family member (with this E, G) whose active parameter count is nearest `n_act`."""
+def closest_variant(fam: Family, n_act: float, experts: int, granularity: int, top_k1: int = 1,
+                    non_embedding: bool = False):  # fmt: skip
+    """The family member (with this E, G) whose active parameter count is nearest `n_act`
+    (counted without the embedding and LM head when `non_embedding`, as Krajewski et al. do)."""
     best = None
     for base in fam.candidates():
         try:
             c = variant(base, experts, granularity, top_k1)
         except ScalingError:
             continue
-        n = count(c.model, seq_len=c.train.seq_len).active_params
+        k = count(c.model, seq_len=c.train.seq_len)
+        n = k.active_non_embedding_params if non_embedding else k.active_params
         if best is None or abs(math.log(n / n_act)) < abs(math.log(best[1] / n_act)):
             best = (c, n, base)
     if best is None:
@@ -78,16 +81,18 @@ def closest_variant(fam: Family, n_act: float, experts: int, granularity: int, t
 
 
 def config_for(fam: Family, n_act: float, flops: float, experts: int, granularity: int,
-               top_k1: int = 1, hyper: bool = False, base: Config | None = None) -> tuple[Config, dict]:  # fmt: skip
+               top_k1: int = 1, hyper: bool = False, base: Config | None = None,
+               non_embedding: bool = False) -> tuple[Config, dict]:  # fmt: skip
     """The (E, G) variant of `base` (default: the member nearest `n_act`) trained for `flops`."""
     if base is None:
-        cfg = closest_variant(fam, n_act, experts, granularity, top_k1)[0]
+        cfg = closest_variant(fam, n_act, experts, granularity, top_k1, non_embedding)[0]
     else:
         cfg = variant(base, experts, granularity, top_k1)
     cfg, info = training_config(_Member(cfg), n_act, flops, hyper=hyper)
     c = count(cfg.model, seq_len=cfg.train.seq_len)
     info.update(experts=experts, granularity=granularity, top_k=cfg.model.num_experts_per_tok,
                 n_routed_experts=cfg.model.n_routed_experts, total_params=c.total_params,
+                active_non_embedding_params=c.active_non_embedding_params,
                 flops_6n_per_token=6 * c.active_params)  # fmt: skip
     return cfg, info
 

@@ -34,13 +34,22 @@ def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4,
     for c in sorted(budgets):
         center = law.allocate(c)["n_opt"] * center_factor
         targets = center * spread ** np.linspace(-0.5, 0.5, sizes)
-        seen = set()
+        seen, points = set(), []
         for n in targets:
             cfg, info = training_config(fam, float(n), c, hyper=hyper)
             key = cfg.model.hidden_size
             if key in seen:
                 continue  # the family is too coarse here; two targets mapped to one size
             seen.add(key)
+            points.append((cfg, info))
+        if len(points) < 3:
+            raise ScalingError(
+                f"budget {c:.3g}: the family gives {len(points)} distinct size(s) around N_opt "
+                f"{center:.3g} (an IsoFLOP parabola needs >= 3): the family's sizes do not reach "
+                "there, or --spread is too narrow; drop this budget, widen --spread or extend "
+                "the family"
+            )
+        for cfg, info in points:
             name = f"C{c:.0e}_N{info['active_params']:.3g}".replace("+", "")
             cfg_path = out / "configs" / f"{name}.yaml"
             write_config(
