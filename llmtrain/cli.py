@@ -386,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--plot", metavar="OUT.png")
     f.add_argument("--json", action="store_true")
-    f.add_argument("--out", metavar="FIT.json", help="also write the fit (readable by --law)")
+    f.add_argument("--out", metavar="FIT.json",
+                   help="also write the fit (its Approach-3 law is readable by --law)")  # fmt: skip
     f.add_argument("--n-col", help="parameters column (default: N, params, parameters ...)")
     f.add_argument("--d-col", help="tokens column (default: D, tokens, data ...)")
     f.add_argument("--c-col", help="compute column (default: C, flops, compute ...)")

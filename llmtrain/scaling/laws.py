@@ -126,7 +126,10 @@ def load_law(spec: str) -> Law:
             source=str(p),
         )
     except KeyError as e:
-        raise ScalingError(f"{p} holds no Approach-3 fit (missing {e})") from e
+        other = [k for k in ("approach1", "approach2") if k in data]
+        hint = (f"; it holds {' and '.join(other)} (power laws N_opt ∝ C^a without a loss "
+                "model): refit with --approach 3 or all to allocate from it") if other else ""  # fmt: skip
+        raise ScalingError(f"{p} holds no Approach-3 fit (missing {e}){hint}") from e
 
 
 # DeepSeek LLM (2024) hyper-parameter laws, C in FLOPs: batch in tokens, learning rate.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ from llmtrain.scaling.registry import get_spec
 
 POW2 = tuple(2**k for k in range(11))  # granularities the allocation searches: 1 .. 1024
 LUDZIEJEWSKI_EXPERTS = (1, 2, 4, 8, 16, 32)  # the expert counts the paper trained
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- Ludziejewski et al. 2025
@@ -277,7 +280,10 @@ def read_moe_csv(path: Path, **override: str | None) -> MoERuns:
     vals = {k: np.array([num(r, k, i + 2, 1.0 if k == "granularity" else math.nan)
                          for i, r in enumerate(rows)]) for k in COLUMNS}  # fmt: skip
     if col["n_total"] is None:
-        vals["n_total"] = vals["n_act"] * vals["experts"]  # labelled as an estimate in reports
+        vals["n_total"] = vals["n_act"] * vals["experts"]
+        logger.warning("%s has no total-parameters column: N_total is estimated as N_act × E, "
+                       "which overstates it (attention and shared parts are not multiplied); "
+                       "give --total-col for the granular law", path)  # fmt: skip
     return MoERuns(vals["n_act"], vals["n_total"], vals["experts"], vals["granularity"], vals["D"],
                    vals["loss"], np.ones(len(rows), bool), [f"{path}:{i + 2}" for i in range(len(rows))])  # fmt: skip
 
