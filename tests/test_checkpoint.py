@@ -133,6 +133,25 @@ def test_a_piece_reads_its_bytes_not_the_whole_stored_chunk(tmp_path):
     assert torch.equal(r.read("big"), big)
 
 
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_legacy_elements_read_their_byte_range(tmp_path):
+    """Resuming from the consolidated format, a rank reads its pieces' byte ranges only."""
+    from safetensors.torch import save_file
+
+    from llmtrain.checkpoint.legacy import LegacyReader
+
+    big = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(4))
+    save_file({"big": big}, str(tmp_path / "model.safetensors"))
+    src = LegacyReader(tmp_path)
+    before = _bytes_read()
+    got = src.elements("big", None, 500_001, 1000)
+    read = _bytes_read() - before
+    assert torch.equal(got, big.view(-1)[500_001:501_001])
+    assert read < 4000 + 64 * 1024, read
+    with pytest.raises(CheckpointError, match="beyond"):
+        src.elements("big", None, 1024 * 1024 - 10, 20)
+
+
 def test_load_refuses_a_size_mismatch(tmp_path):
     write_full_tensors(tmp_path / "ck", {"w": ((5, 7), lambda: W)})
     with pytest.raises(CheckpointError, match="another model config"):

@@ -72,6 +72,29 @@ class LegacyReader:
         t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
         return t.reshape(shape)
 
+    def elements(self, name: str, moment: str | None, start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the flattened tensor (its moment): a byte range of the
+        file, so a rank resuming from this format reads its share, not every full tensor."""
+        stem, key = ("model", name) if moment is None else ("optimizer", f"{name}::{moment}")
+        f = self.files[stem].get(key)
+        if f is None:
+            raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
+        info = self.headers[f][key]
+        dtype = _ST_DTYPES[info["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        a, b = info["data_offsets"]
+        if start < 0 or (start + n) * size > b - a:
+            raise CheckpointError(f"{key}: elements [{start}, {start + n}) beyond its "
+                                  f"{(b - a) // size}")  # fmt: skip
+        out = torch.empty(n, dtype=dtype)
+        with open(self.dir / f, "rb") as fh:
+            hdr = int.from_bytes(fh.read(8), "little")
+            fh.seek(8 + hdr + a + start * size)
+            got = fh.readinto(memoryview(out.view(torch.uint8).numpy())) if n else 0
+        if got != n * size:
+            raise CheckpointError(f"{self.dir / f} is truncated (tensor {key})")
+        return out
+
     def rows(self, name: str, max_bytes: int = 2**30) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, tensor of rows) blocks of at most ~max_bytes along dim 0: a stacked expert
         tensor of a large model is tens of GB, more than one process should hold at once."""

@@ -274,7 +274,7 @@ class Checkpointer:
             _set_rng(blobs[key])
 
     def _restore_legacy(self, ck: Path) -> None:
-        """Every rank reads each full tensor once, in turn, and keeps its piece."""
+        """Every rank reads the byte ranges of its pieces (weights and both moments)."""
         src = LegacyReader(ck)
         have = set(src.names())
         with torch.no_grad():
@@ -286,12 +286,12 @@ class Checkpointer:
                     continue
                 start, views = frag
                 n = views["fp32"].numel()
+                if tuple(src.shape(name)) != tuple(full):
+                    raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape(name))} != "
+                                          f"model {tuple(full)}")  # fmt: skip
                 for key in ("fp32", *MOMENTS):
-                    t = src.read(name, None if key == "fp32" else key)
-                    if tuple(t.shape) != tuple(full):
-                        raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)} != "
-                                              f"model {tuple(full)}")  # fmt: skip
-                    views[key].copy_(t.reshape(-1)[off + start : off + start + n])
+                    t = src.elements(name, None if key == "fp32" else key, off + start, n)
+                    views[key].copy_(t)
             for name, b in self._buffers():
                 if name in have:
                     b.copy_(src.read(name))
