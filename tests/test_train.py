@@ -103,6 +103,31 @@ def test_resume_with_another_global_batch_continues_the_sample_stream(reference,
     assert bad.returncode == 2 and "differs in model.n_routed_experts" in bad.stderr
 
 
+def test_checkpoints_of_an_earlier_release_resume():
+    """A config saved before RopeConfig gained attention_factor / truncate (and when
+    mscale_all_dim defaulted to 0) resumes: missing fields take their defaults and default RoPE
+    ignores the YaRN fields. Under YaRN the change is named, field by field."""
+    import yaml
+
+    from llmtrain.config import load_config
+    from llmtrain.train.loop import TrainingError, _check_resumed_config
+
+    from .conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml")
+    old = cfg.to_dict()
+    for k in ("attention_factor", "truncate"):
+        del old["model"]["rope"][k]
+    old["model"]["rope"]["mscale_all_dim"] = 0.0
+    assert _check_resumed_config(yaml.safe_dump(old), cfg) == []
+    yarn = load_config(
+        ROOT / "configs" / "debug.yaml", ["model.rope.type=yarn", "model.rope.factor=4"]
+    )
+    old["model"]["rope"].update(type="yarn", factor=4.0)
+    with pytest.raises(TrainingError, match=r"model\.rope\.mscale_all_dim"):
+        _check_resumed_config(yaml.safe_dump(old), yarn)
+
+
 def test_sample_stream_positions():
     from llmtrain.data.loader import global_sample_indices
 
@@ -270,6 +295,32 @@ def test_nonfinite_steps_are_skipped_then_stop(cache, tmp_path):
                   check=False, LLMTRAIN_FAULT_NAN_STEPS="4,5")  # fmt: skip
     assert p.returncode == 2 and "non-finite steps in a row" in p.stderr
     assert (stop / "checkpoints" / "latest").read_text() == "step_00000004"
+    # the last step non-finite: nothing to save, and the run does not end as a success
+    last = tmp_path / "last"
+    p = run_train(last, 1, base(cache, "train.max_steps=4", "train.save_every=2"), check=False,
+                  LLMTRAIN_FAULT_NAN_STEPS="3")  # fmt: skip
+    assert p.returncode == 2 and "final weights were not saved" in p.stderr, p.stderr[-2000:]
+    assert (last / "checkpoints" / "latest").read_text() == "step_00000002"
+
+
+def test_damaged_checkpoint_bytes_are_refused_on_resume(reference, cache, tmp_path):
+    """4 KiB of 0xFF (NaN as fp32) in the middle of the largest stored chunk: the resume stops
+    with one line instead of training on NaN moments."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ck = run / "checkpoints" / "step_00000010"
+    (run / "checkpoints" / "latest").write_text("step_00000010")
+    info = max(FileSystemReader(str(ck)).read_metadata().storage_data.values(),
+               key=lambda i: i.length)  # fmt: skip
+    with open(ck / info.relative_path, "r+b") as fh:
+        fh.seek(info.offset + info.length // 2 // 4096 * 4096)
+        fh.write(b"\xff" * 4096)
+    p = run_train(run, 1, base(cache, "resume=auto"), check=False)
+    assert p.returncode == 2 and "reads back non-finite values" in p.stderr, p.stderr[-2000:]
 
 
 def test_existing_run_dir_is_not_overwritten(reference, cache):

@@ -381,6 +381,11 @@ def load_pieces(
         raise CheckpointError(f"{path} has no .metadata: not a complete sharded checkpoint")
     planner = PieceLoadPlanner(pieces, blob_keys)
     reader = RangedReader(str(path))
+    try:  # before DCP: it would log a torch traceback per rank for an unreadable file
+        reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{path}/.metadata is missing or corrupt ({type(e).__name__}); "
+                              "resume from an earlier checkpoint (RUN/checkpoints/step_*)") from e  # fmt: skip
     _unwrapped(dcp.load, path, {}, storage_reader=reader, planner=planner, no_dist=no_dist)
     return planner.blobs
 

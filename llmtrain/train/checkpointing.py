@@ -270,6 +270,7 @@ class Checkpointer:
                                       f"{info['shape']}; it comes from another model config")  # fmt: skip
         key = f"rng/{self.rank}"
         blobs = fmt.load_pieces(ck, pieces, [key])
+        _check_finite(ck, pieces)
         if key in blobs:
             _set_rng(blobs[key])
 
@@ -298,6 +299,23 @@ class Checkpointer:
         rng = src.rng()
         if rng is not None:
             torch.set_rng_state(rng)
+
+
+def _check_finite(ck: Path, pieces: list[Piece]) -> None:
+    """Collective: a save never writes NaN/inf (SaveGuard), so a restored one is a damaged file;
+    training from it would turn every weight NaN within a step or two. Every rank raises."""
+    import torch.distributed as dist
+
+    bad = next((p.key for p in pieces if p.tensor is not None and p.tensor.is_floating_point()
+                and not torch.isfinite(p.tensor).all()), None)  # fmt: skip
+    flag = torch.tensor([0.0 if bad is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        where = f" ({bad})" if bad else " (on another rank)"
+        raise CheckpointError(f"checkpoint {ck} reads back non-finite values{where}: its files "
+                              "are damaged; resume from an earlier checkpoint "
+                              "(resume=RUN/checkpoints/step_N)")  # fmt: skip
 
 
 class _Background:

@@ -65,13 +65,32 @@ _TRAINING_ONLY = {"bias_update_speed", "aux_loss_alpha", "router_z_loss_coef", "
 _RESUMABLE = _TRAINING_ONLY - {"mtp_depth"}
 
 
+def _comparable_model(d: dict) -> dict:
+    """A model section with the defaults of fields it lacks (a checkpoint of an earlier release)
+    and without rope fields its rope type does not read (default RoPE reads theta and layout)."""
+    from llmtrain.config import ModelConfig, from_dict
+
+    try:
+        out = dataclasses.asdict(from_dict(ModelConfig, dict(d), "model")) if d else {}
+    except (ValueError, TypeError, AttributeError):
+        out = dict(d)
+    rope = out.get("rope")
+    if isinstance(rope, dict) and rope.get("type", "default") == "default":
+        out["rope"] = {k: rope.get(k) for k in ("theta", "type", "interleave")}
+    return out
+
+
 def _check_resumed_config(saved_yaml: str, cfg: Config, state: dict | None = None) -> list[str]:
     """Refuse a model the checkpoint cannot fill; return warnings for the changes a resumed run
     may make but should know the cost of (data order, schedule, counters)."""
     saved = yaml.safe_load(saved_yaml) or {}
     now = cfg.to_dict()
-    old_model = saved.get("model", {})
+    old_model = _comparable_model(saved.get("model", {}))
+    now["model"] = _comparable_model(now["model"])
     diff = [k for k, v in now["model"].items() if old_model.get(k) != v]
+    if "rope" in diff:  # name the rope field, not the whole section
+        ro, rn = old_model.get("rope") or {}, now["model"]["rope"]
+        diff = [k for k in diff if k != "rope"] + [f"rope.{k}" for k in rn if ro.get(k) != rn[k]]
     fixed = [k for k in diff if k not in _RESUMABLE]
     if fixed:
         raise TrainingError(
@@ -211,6 +230,13 @@ def _train(
         raise
     metrics.close()
     _finish(run, final, last_saved)
+    if run.nonfinite_in_row:  # the run's last steps were skipped: its result is not its weights
+        ck = run.run_dir / "checkpoints"
+        raise TrainingError(
+            f"the last {run.nonfinite_in_row} step(s) were non-finite and skipped, so the final "
+            f"weights were not saved; {ck / 'latest'} names the last good checkpoint. Lower "
+            "train.lr or check the data, then resume=auto"
+        )
     return final
 
 
@@ -385,13 +411,13 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         if rank == 0:
             logger.warning(
                 "step %d: non-finite loss or gradients; step skipped (%d in a row)",
-                step,
+                step + 1,
                 run.nonfinite_in_row,
             )
         if run.nonfinite_in_row >= t.max_nonfinite:
             raise TrainingError(
                 f"{run.nonfinite_in_row} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite}) at "
-                f"step {step}; the last good checkpoint is kept in {run.run_dir / 'checkpoints'}. Lower "
+                f"step {step + 1}; the last good checkpoint is kept in {run.run_dir / 'checkpoints'}. Lower "
                 "train.lr, check the data, or raise train.max_nonfinite"
             )
     else:
