@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite, from nothing: sets up .venv (idempotent), lints, runs pytest.
-#   launch/test.sh            default suite (fast; what CI runs)
+#   launch/test.sh            default suite (fast)
 #   launch/test.sh --slow     the slow tests only (multi-process runs, long sweeps)
 #   launch/test.sh --all      both: the default suite and the slow tests (what CI runs, ~15 min on 2 cores)
 #   launch/test.sh -- ARGS    extra pytest arguments

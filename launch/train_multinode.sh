@@ -5,7 +5,7 @@
 #     launch/train_multinode.sh HOSTFILE CONFIG --run-dir DIR [a.b=c ...]
 #   Without ssh (schedulers; run once per node, NODE_RANK 0..N-1, MASTER_ADDR = first node):
 #     NODE_RANK=1 MASTER_ADDR=10.0.0.1 launch/train_multinode.sh HOSTFILE CONFIG --run-dir DIR ...
-# The run directory must be on a filesystem every node sees (checkpoints are written by rank 0).
+# The run directory must be on a filesystem every node sees (every rank writes its checkpoint pieces).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 hostfile="$1"; shift

@@ -23,8 +23,14 @@ def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, An
     elif p.is_dir():
         p = p / "config.json"
     if p.suffix == ".json":
+        from llmtrain.errors import UsageError
         from llmtrain.hf import model_config_from_hf, read_hf_config
 
+        if overrides:
+            raise UsageError(
+                f"overrides ({' '.join(overrides)}) apply to YAML configs, not to a Hugging Face "
+                "config.json; edit a copy of the JSON, or convert it to YAML first"
+            )
         return model_config_from_hf(read_hf_config(p)), None
     cfg = load_config(p, overrides)
     return cfg.model, cfg
@@ -203,9 +209,29 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    """`--device` before any model is loaded: a typo or a missing GPU is the user's to fix."""
+    import torch
+
+    from llmtrain.errors import UsageError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device}: give cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: give cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index or 0) >= n:
+            raise UsageError(f"--device {device}: this machine has {n} CUDA device(s) usable by "
+                             "this torch build; use --device cpu")  # fmt: skip
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from llmtrain.eval import format_results, run_eval
 
+    _check_device(args.device)
     if args.watch:
         from llmtrain.eval.watch import watch
 
@@ -241,7 +267,8 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     hosts = parse_hostfile(args.hostfile)
     for h, n in hosts.items():
         print(f"{h} slots={n}")
-    print(f"{len(hosts)} nodes, {sum(hosts.values())} ranks")
+    n = len(hosts)
+    print(f"{n} node{'s' if n != 1 else ''}, {sum(hosts.values())} ranks")
     return 0
 
 
@@ -479,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--include-path", action="append", default=[], help="your task YAML folder")
     ev.add_argument("--limit", type=int, default=None, help="documents per task")
     ev.add_argument("--batch-size", type=int, default=8)
-    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ev.add_argument("--max-length", type=int, default=None,
                     help="context length in tokens (default: the model's maximum positions); "

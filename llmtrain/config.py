@@ -210,7 +210,7 @@ class DataConfig:
 
     sources: list = field(default_factory=lambda: ["builtin:stdlib"])  # paths, hf:NAME[@SPLIT]
     text_field: str = "text"  # jsonl / parquet / datasets column
-    streaming: bool = False  # `datasets` streaming for hf: sources
+    streaming: bool = True  # hf: sources: stream (true) or let `datasets` download them first
     tokenizer: str = "train"  # "train" (byte-level BPE of model.vocab_size) or a tokenizer dir/file
     tokenizer_train_bytes: int = 20_000_000
     val_percent: float = 2.0  # documents held out for validation, by a stable hash of their key

@@ -26,6 +26,21 @@ logger = logging.getLogger(__name__)
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
+@contextlib.contextmanager
+def quiet_transformers_load():
+    """transformers 5 logs a load report listing the MTP layers an export carries (at layer
+    index L + k) as UNEXPECTED: by design, since DeepseekV3ForCausalLM has no MTP; keep only
+    errors while our own code loads an export."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
 # ---------------------------------------------------------------- config
 
 

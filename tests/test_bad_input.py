@@ -140,6 +140,11 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("hf-not-json", {"h/config.json": "{not json"}, ["count", "{tmp}/h"], ("not valid JSON",)),
     ("hf-string-size", {"h/config.json": "@v3:hidden_size=wide"}, ["count", "{tmp}/h"], ("hidden_size",)),
     ("hf-gqa", {"h/config.json": "@v3:num_key_value_heads=2"}, ["count", "{tmp}/h"], ("num_key_value_heads",)),
+    ("hf-overrides", {"h/config.json": "@v3:hidden_size=7168"}, ["count", "{tmp}/h", "model.hidden_size=128"],
+     ("model.hidden_size=128", "YAML")),
+    ("hf-gelu", {"h/config.json": "@v3:hidden_act=gelu"}, ["count", "{tmp}/h"], ("hidden_act='gelu'",)),
+    ("eval-device-typo", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "gpu0"], ("--device gpu0",)),
+    ("eval-device-no-cuda", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "cuda:7"], ("--device cuda:7", "CUDA device")),
 ]  # fmt: skip
 
 

@@ -69,6 +69,11 @@ def test_every_format_streams_the_same_documents(tmp_path, monkeypatch):
     hf_dir.mkdir()
     (hf_dir / "train.jsonl").write_text((d / "a.jsonl").read_text())
     assert [t for _, t in iter_documents([f"hf:{hf_dir}"])] == docs[:3]
+    from llmtrain.data.corpus import iter_items, parse_sources
+
+    # data.streaming=false: `datasets` downloads (here: converts) the dataset first, same rows
+    rows = [it[2] for it in iter_items(parse_sources([f"hf:{hf_dir}"]), "text", streaming=False)]
+    assert rows == docs[:3]
     with pytest.raises(DataError, match="does not exist"):
         list(iter_documents([str(tmp_path / "missing")]))
     with pytest.raises(DataError, match="matches no files"):
@@ -109,6 +114,11 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     assert idx["splits"]["train"]["docs"] + idx["splits"]["val"]["docs"] == len(docs)
     with pytest.raises(DataError, match=r"7 bad records, more than data.max_bad_records=6"):
         prepare_data(_cfg(tmp_path / "x", [str(d)], max_bad_records=6), vocab_size=300)
+    # a preparation that fails on its data leaves nothing in the cache (no .partial forever)
+    assert not list((tmp_path / "x" / "cache").rglob("*.partial"))
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_data(_cfg(tmp_path / "y", [str(tmp_path / "missing")]), vocab_size=300)
+    assert not list((tmp_path / "y" / "cache").rglob("*.partial"))
 
 
 def test_mixture_weights_are_deterministic(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.checkpoint.format import MOMENTS, CheckpointError, write_full_tensors
+from llmtrain.checkpoint.format import MOMENTS, CheckpointError, is_sharded, write_full_tensors
 from llmtrain.tensor_io import _ST_DTYPES, TensorFileError, read_header, tensor_files
 
 RNG_KEY = "__rng__::torch_cpu"
@@ -120,6 +120,8 @@ class LegacyReader:
 def convert(old: Path, new: Path) -> Path:
     """Rewrite a consolidated checkpoint in the sharded format, one tensor in memory at a time."""
     old, new = Path(old), Path(new)
+    if is_sharded(old):
+        raise CheckpointError(f"{old} is already in the sharded format: nothing to convert")
     src = LegacyReader(old)
     if new.exists() and any(new.iterdir()):
         raise CheckpointError(f"{new} exists and is not empty")

@@ -112,11 +112,13 @@ def source_files(spec: str) -> list[Path]:
     return [path]
 
 
-def iter_items(sources: list[Source], text_field: str = "text") -> Iterator[Item]:
+def iter_items(
+    sources: list[Source], text_field: str = "text", streaming: bool = True
+) -> Iterator[Item]:
     """Every item of every source in a fixed order, mixture copies included."""
     for src in sources:
         if src.spec.startswith("hf:"):
-            for item in _iter_hf(src.spec[3:], text_field):
+            for item in _iter_hf(src.spec[3:], text_field, streaming):
                 yield from [item] * copies(item[0], src.weight)
             continue
         root = Path(sysconfig.get_paths()["stdlib"]) if src.spec == BUILTIN_STDLIB else None
@@ -244,15 +246,17 @@ def _iter_arrow(f: Path, text_field: str) -> Iterator[Item]:
         yield str(f), "bad", f"{f}: unreadable part ({e})", True
 
 
-def _iter_hf(spec: str, text_field: str) -> Iterator[Item]:
+def _iter_hf(spec: str, text_field: str, streaming: bool = True) -> Iterator[Item]:
     """`hf:NAME[:CONFIG][@SPLIT]` — a Hub dataset, or a local dataset directory or script —
-    always streamed through `datasets` (nothing is downloaded whole or converted first)."""
+    streamed through `datasets` (nothing is downloaded whole or converted first), or with
+    `streaming=False` (data.streaming) downloaded and cached by `datasets` first."""
     import datasets
 
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
     try:
-        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        ds = datasets.load_dataset(name, config or None, split=split or "train",
+                                   streaming=streaming)  # fmt: skip
     except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ...)
         raise DataError(f"data source hf:{spec}: cannot open with datasets ({e})") from e
     for i, row in enumerate(ds):

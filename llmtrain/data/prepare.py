@@ -243,9 +243,13 @@ def prepare_data(
             return final
         part = final.with_name(final.name + ".partial")
         how = "resuming" if (part / "progress.json").is_file() else "preparing"
-        logger.info("%s data into %s (not in the cache yet; `llmtrain data prepare CONFIG` does "
-                    "this as its own step)", how, final)  # fmt: skip
-        _build(data_cfg, vocab_size, part)
+        logger.info("%s data into %s (once: runs with the same data settings reuse it)", how,
+                    final)  # fmt: skip
+        try:
+            _build(data_cfg, vocab_size, part)
+        except DataError:  # bad sources or data: another config must fix it, so nothing resumes
+            shutil.rmtree(part, ignore_errors=True)
+            raise
         if final.exists():  # left by an owner whose lock was wrongly broken: keep the first
             shutil.rmtree(part)
         else:
@@ -263,7 +267,8 @@ def _chunks(data_cfg) -> Iterator[list[Item]]:
     """Items cut into chunks of ~chunk_bytes, deterministically; stops after max_bytes."""
     chunk: list[Item] = []
     size = total = 0
-    for item in iter_items(parse_sources(data_cfg.sources), data_cfg.text_field):
+    for item in iter_items(parse_sources(data_cfg.sources), data_cfg.text_field,
+                           data_cfg.streaming):  # fmt: skip
         p = item[2]
         n = len(p) if isinstance(p, (str, bytes)) else 0
         chunk.append(item)

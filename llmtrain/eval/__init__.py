@@ -77,8 +77,11 @@ def evaluate_hf_dir(
     from lm_eval.models.huggingface import HFLM
 
     tm = task_manager(list(tasks), include_path)
-    lm = HFLM(pretrained=str(hf_dir), device=device, dtype=dtype, batch_size=batch_size,
-              max_length=max_length)  # fmt: skip
+    from llmtrain.hf import quiet_transformers_load
+
+    with quiet_transformers_load():
+        lm = HFLM(pretrained=str(hf_dir), device=device, dtype=dtype, batch_size=batch_size,
+                  max_length=max_length)  # fmt: skip
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
                                   log_samples=False, bootstrap_iters=0, verbosity="WARNING")  # fmt: skip
     if res is None:

@@ -201,8 +201,9 @@ def watch(
             if todo:
                 continue  # look again at once: checkpoints may have landed meanwhile
             if timeout is not None and time.monotonic() - last_new > timeout:
-                logger.warning("no new checkpoint for %.0f s before step %s: stopping",
-                               timeout, final)  # fmt: skip
+                logger.warning("no new checkpoint for %.0f s%s: stopping", timeout,
+                               f" before step {final}" if final is not None else
+                               " (the run has not written its config yet)")  # fmt: skip
                 return res
             time.sleep(poll)
     finally:

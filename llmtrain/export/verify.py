@@ -23,7 +23,10 @@ def verify(
     from llmtrain.model import generate
 
     export_dir = Path(export_dir)
-    hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    from llmtrain.hf import quiet_transformers_load
+
+    with quiet_transformers_load():
+        hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
     ours = llmtrain.from_pretrained(checkpoint)
     dtype = _saved_dtype(export_dir)
     if dtype == "bfloat16":  # compare on the weights the export holds: bf16, routers kept fp32

@@ -17,6 +17,8 @@ class HostfileError(LlmtrainError, ValueError):
 def parse_hostfile(path: str | Path) -> dict[str, int]:
     """{host: slots}; a bad line raises with its number and the expected form."""
     p = Path(path)
+    if p.is_dir():
+        raise HostfileError(f"hostfile {p} is a directory; give the hostfile itself")
     if not p.is_file():
         raise HostfileError(f"hostfile {p} does not exist; check the path")
     hosts: dict[str, int] = {}

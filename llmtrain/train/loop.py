@@ -205,6 +205,8 @@ def _train(
     run = _load_data(cfg, run_dir, layout, rank, world, local_rank, device)
     run.checkpointer = Checkpointer(run_dir, None, rank, t.keep_last)
     ck_dir = run.checkpointer.resolve(resume)
+    if ck_dir is None and resume == "auto" and rank == 0:
+        logger.warning("resume=auto: no checkpoint in %s yet; starting at step 0", run_dir)
     if ck_dir is not None:
         state = json.loads((ck_dir / "state.json").read_text())
         for w in _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg, state):
