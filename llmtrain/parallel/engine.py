@@ -215,7 +215,6 @@ def sharded_build(cfg: Config, layout: Layout, dispatcher) -> dict[str, Any]:
     return {
         "init_context": lambda: deepspeed.zero.Init(config_dict_or_path=ds_config),
         "gather": lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=0),
-        "partition": zero3_partition,
     }
 
 

@@ -313,12 +313,12 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     """Model (from the seed, or `train.init_from`'s weights) and the DeepSpeed engine. Each rank
     allocates only what it keeps: its experts, and under ZeRO-3 its partition (zero.Init); a
     resume then writes the checkpoint's pieces into the engine (`_restore`)."""
-    from llmtrain.parallel.engine import sharded_build
+    from llmtrain.parallel.engine import sharded_build, zero3_partition
 
     cfg, t = run.cfg, run.cfg.train
     dispatcher = make_dispatcher(run.layout)
     hooks = sharded_build(cfg, run.layout, dispatcher)
-    partition = hooks.pop("partition", None)
+    partition = zero3_partition if "init_context" in hooks else None  # ZeRO-3's flat partitions
     # bf16 weights from the start (routers fp32): DeepSpeed makes its fp32 masters from the bf16
     # weights anyway, and an fp32 model would need twice the device memory before the engine
     dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
