@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -18,6 +19,8 @@ from llmtrain.scaling.family import Family, training_config, write_config
 from llmtrain.scaling.laws import Law, ScalingError
 
 MANIFEST = "manifest.json"
+
+logger = logging.getLogger(__name__)
 
 
 def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4, spread: float = 8.0,
@@ -43,12 +46,13 @@ def plan(budgets: list[float], family: str, out: Path, law: Law, sizes: int = 4,
             seen.add(key)
             points.append((cfg, info))
         if len(points) < 3:
-            raise ScalingError(
-                f"budget {c:.3g}: the family gives {len(points)} distinct size(s) around N_opt "
-                f"{center:.3g} (an IsoFLOP parabola needs >= 3): the family's sizes do not reach "
-                "there, or --spread is too narrow; drop this budget, widen --spread or extend "
-                "the family"
-            )
+            why = (f"budget {c:.3g}: the family gives {len(points)} distinct size(s) around N_opt "
+                   f"{center:.3g} (an IsoFLOP parabola needs >= 3): the family's sizes do not "
+                   "reach there, or --spread is too narrow")  # fmt: skip
+            if len(points) < 2:  # one size says nothing about the optimum at this budget
+                raise ScalingError(f"{why}; drop this budget, widen --spread or extend the family")
+            logger.warning("%s; Approach 2 will leave this budget out (Approach 3 still uses "
+                           "its runs)", why)  # fmt: skip
         for cfg, info in points:
             name = f"C{c:.0e}_N{info['active_params']:.3g}".replace("+", "")
             cfg_path = out / "configs" / f"{name}.yaml"
