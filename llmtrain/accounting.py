@@ -461,8 +461,7 @@ def activation_bytes(
 
 def _router_numel(c: ModelConfig) -> int:
     """Router weights [E, D] of every MoE layer, the MTP blocks' included."""
-    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers + c.mtp_depth))
-    return moe_layers * c.n_routed_experts * c.hidden_size
+    return (c.num_moe_layers + c.mtp_depth) * c.n_routed_experts * c.hidden_size
 
 
 def memory_per_rank(

@@ -233,6 +233,10 @@ def hf_config_from_model(cfg: ModelConfig, mtp: bool = False) -> dict[str, Any]:
             "mscale": r.mscale,
             "mscale_all_dim": r.mscale_all_dim,
         }
+        if r.attention_factor is not None:  # written only when set: transformers' absent = derive
+            extra["attention_factor"] = r.attention_factor
+        if not r.truncate:
+            extra["truncate"] = False
         rope_params.update(extra)
         legacy = {"type": "yarn", "rope_type": "yarn", **extra}
     out: dict[str, Any] = {

@@ -173,6 +173,18 @@ def test_softmax_model_exports_as_deepseek_v2(tmp_path):
         assert (got - hf(IDS).logits).abs().max() < 1e-4
 
 
+def test_yarn_attention_factor_and_truncate_survive_the_export_config():
+    """Read from a config.json and applied, so they must be written back too, or the exported
+    model's logits differ from ours (4.9 and 4.4 at the parity test's size)."""
+    from llmtrain.config import ModelConfig, RopeConfig
+    from llmtrain.hf import hf_config_from_model, model_config_from_hf
+
+    rope = RopeConfig(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                      attention_factor=1.3, truncate=False)  # fmt: skip
+    back = model_config_from_hf(hf_config_from_model(ModelConfig(rope=rope)))
+    assert back.rope.attention_factor == 1.3 and back.rope.truncate is False
+
+
 def test_softmax_half_rotation_is_refused_not_exported_wrong():
     """DeepseekV2 always rotates interleaved pairs: a softmax model trained with half rotation
     has no V2 equivalent, and writing one would give other logits."""

@@ -369,11 +369,9 @@ def test_init_from_hf_reads_only_this_ranks_experts(tmp_path, monkeypatch, layou
     _check_partition_reads(src, cfg, full, monkeypatch, safetensors)
 
 
-def _check_ep_rank_reads(src, cfg, full, layout, monkeypatch, safetensors):
-    from llmtrain.hf import load_hf_into
-
-    reads = []
-    real = safetensors.safe_open
+def _recording_safe_open(real, reads: list, pulled: list):
+    """safetensors.safe_open that logs (kind, name) of each tensor asked for and adds the
+    elements each read materialises to pulled[0]."""
 
     class Recording:
         def __init__(self, *a, **kw):
@@ -388,13 +386,34 @@ def _check_ep_rank_reads(src, cfg, full, layout, monkeypatch, safetensors):
 
         def get_tensor(self, name):
             reads.append(("tensor", name))
-            return self.f.get_tensor(name)
+            t = self.f.get_tensor(name)
+            pulled[0] += t.numel()
+            return t
 
         def get_slice(self, name):
             reads.append(("slice", name))
-            return self.f.get_slice(name)
+            sl = self.f.get_slice(name)
 
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+            class Slice:
+                def get_shape(self):
+                    return sl.get_shape()
+
+                def __getitem__(self, idx):
+                    t = sl[idx]
+                    pulled[0] += t.numel()
+                    return t
+
+            return Slice()
+
+    return Recording
+
+
+def _check_ep_rank_reads(src, cfg, full, layout, monkeypatch, safetensors):
+    from llmtrain.hf import load_hf_into
+
+    reads = []
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", _recording_safe_open(real, reads, [0]))
     model = build_model(cfg, seed=0, dispatcher=_Rank(2, 1))
     load_hf_into(model, src, cfg)
     el = cfg.n_routed_experts // 2
@@ -417,33 +436,7 @@ def _check_partition_reads(src, cfg, full, monkeypatch, safetensors, world=3):
 
     real = safetensors.safe_open
     pulled = [0]
-
-    class Counting:
-        def __init__(self, *a, **kw):
-            self.f = real(*a, **kw)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_slice(self, name):
-            sl = self.f.get_slice(name)
-
-            class Slice:
-                def get_shape(self):
-                    return sl.get_shape()
-
-                def __getitem__(self, idx):
-                    t = sl[idx]
-                    pulled[0] += t.numel()
-                    return t
-
-            return Slice()
-
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    monkeypatch.setattr(safetensors, "safe_open", _recording_safe_open(real, [], pulled))
     model = build_model(cfg, seed=0, dispatcher=_Rank(2, 1))
     el = cfg.n_routed_experts // 2
     for rank in range(world):

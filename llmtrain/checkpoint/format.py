@@ -290,7 +290,6 @@ class RangedReader(dcp.FileSystemReader):
             for c in m.chunks
         }
         self._data_at: dict[MetadataIndex, int | None] = {}
-        self.bytes_read = 0
 
     def read_data(self, plan: LoadPlan, planner):
         rest, per_file = [], {}
@@ -346,7 +345,6 @@ class RangedReader(dcp.FileSystemReader):
                 raise CheckpointError(f"{self.path}/{info.relative_path} is truncated at "
                                       f"{req.storage_index.fqn}")  # fmt: skip
             got += k
-        self.bytes_read += got
         if buf is not target:
             target.copy_(buf)
         planner.commit_tensor(req, target)

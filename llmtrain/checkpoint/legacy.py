@@ -48,52 +48,47 @@ class LegacyReader:
     def has_moments(self, name: str) -> bool:
         return f"{name}::{MOMENTS[0]}" in self.files["optimizer"]
 
-    def _get(self, stem: str, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor `key`, or only its rows [r0, r1) along dim 0 (a byte range of the file)."""
+    def _entry(self, stem: str, key: str) -> tuple[Path, dict]:
         f = self.files[stem].get(key)
         if f is None:
             raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
-        path = self.dir / f
-        info = self.headers[f][key]
+        return self.dir / f, self.headers[f][key]
+
+    def _read(self, path: Path, key: str, byte: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` from the bytes at `byte` of `key`'s data in `path` (read in place)."""
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            fh.seek(8 + n + byte)
+            got = fh.readinto(memoryview(out.view(torch.uint8).numpy())) if out.numel() else 0
+        if got != out.numel() * out.element_size():
+            raise CheckpointError(f"{path} is truncated (tensor {key})")
+        return out
+
+    def _get(self, stem: str, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or only its rows [r0, r1) along dim 0 (a byte range of the file)."""
+        path, info = self._entry(stem, key)
         a, b = info["data_offsets"]
         shape = list(info["shape"])
         if rows is not None:
             row_bytes = (b - a) // shape[0] if shape and shape[0] else 0
             a, b = a + rows[0] * row_bytes, a + rows[1] * row_bytes
             shape[0] = rows[1] - rows[0]
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            fh.seek(8 + n + a)
-            buf = bytearray(b - a)  # read in place: bytearray(fh.read()) holds two copies
-            got = fh.readinto(buf)
-        if got != b - a:
-            raise CheckpointError(f"{path} is truncated (tensor {key})")
         dtype = _ST_DTYPES[info["dtype"]]
-        t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-        return t.reshape(shape)
+        size = torch.empty((), dtype=dtype).element_size()
+        return self._read(path, key, a, torch.empty((b - a) // size, dtype=dtype)).reshape(shape)
 
     def elements(self, name: str, moment: str | None, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the flattened tensor (its moment): a byte range of the
         file, so a rank resuming from this format reads its share, not every full tensor."""
-        stem, key = ("model", name) if moment is None else ("optimizer", f"{name}::{moment}")
-        f = self.files[stem].get(key)
-        if f is None:
-            raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
-        info = self.headers[f][key]
+        key = name if moment is None else f"{name}::{moment}"
+        path, info = self._entry("model" if moment is None else "optimizer", key)
         dtype = _ST_DTYPES[info["dtype"]]
         size = torch.empty((), dtype=dtype).element_size()
         a, b = info["data_offsets"]
         if start < 0 or (start + n) * size > b - a:
             raise CheckpointError(f"{key}: elements [{start}, {start + n}) beyond its "
                                   f"{(b - a) // size}")  # fmt: skip
-        out = torch.empty(n, dtype=dtype)
-        with open(self.dir / f, "rb") as fh:
-            hdr = int.from_bytes(fh.read(8), "little")
-            fh.seek(8 + hdr + a + start * size)
-            got = fh.readinto(memoryview(out.view(torch.uint8).numpy())) if n else 0
-        if got != n * size:
-            raise CheckpointError(f"{self.dir / f} is truncated (tensor {key})")
-        return out
+        return self._read(path, key, a + start * size, torch.empty(n, dtype=dtype))
 
     def rows(self, name: str, max_bytes: int = 2**30) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, tensor of rows) blocks of at most ~max_bytes along dim 0: a stacked expert

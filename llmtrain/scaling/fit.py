@@ -9,6 +9,7 @@ bootstrap resamples of the runs, each refit from the full-data optimum.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -131,18 +132,23 @@ def grid_search(logN, logD, logL, reduce: str = "sum", progress: bool = False):
     return best, n_ok, len(starts)
 
 
+def single_threaded_blas(fn):
+    """Run `fn` with BLAS on one thread: scipy's L-BFGS-B calls BLAS on vectors of 5-9
+    parameters, and OpenBLAS threads on a busy machine made each iteration ~60-90x slower
+    (the 4,500-start Approach-3 fit: 6 starts/s instead of 370)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@single_threaded_blas
 def fit_approach3(
-    r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum", progress: bool = False
-) -> dict:
-    """BLAS runs single-threaded meanwhile: L-BFGS-B calls BLAS on 5-vectors, and OpenBLAS
-    threads on a busy machine made the 4,500-start fit ~60x slower (6 starts/s vs 370)."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        return _fit_approach3(r, bootstrap, seed, reduce, progress)
-
-
-def _fit_approach3(
     r: Runs, bootstrap: int = 0, seed: int = 0, reduce: str = "sum", progress: bool = False
 ) -> dict:
     check_runs(r, "approach 3")

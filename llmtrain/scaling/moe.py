@@ -24,7 +24,14 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import brentq, minimize, minimize_scalar
 
-from llmtrain.scaling.fit import DELTA, TIGHT, Runs, check_runs, group_budgets
+from llmtrain.scaling.fit import (
+    DELTA,
+    TIGHT,
+    Runs,
+    check_runs,
+    group_budgets,
+    single_threaded_blas,
+)
 from llmtrain.scaling.laws import Law, ScalingError
 from llmtrain.scaling.registry import get_spec
 
@@ -448,21 +455,8 @@ def effect_table(form: Form, law, r: MoERuns) -> list[dict]:
              "rel": float(law.loss(n_t, d, v)) / base - 1} for v in vals]  # fmt: skip
 
 
+@single_threaded_blas
 def fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int = 0,
-            fixed: dict[str, float] | None = None, grid: str | dict = "default",
-            E_start: float = 2.0732, E_max: float = 290.4521) -> dict:  # fmt: skip
-    """Fit `form` to the runs; `fixed` holds parameters at given values (natural units).
-    The joint law's Ê transform keeps E_start and E_max fixed (default: the published ones).
-
-    BLAS runs single-threaded meanwhile: scipy's L-BFGS-B calls BLAS on 9-vectors, and with
-    OpenBLAS threads on a busy machine each iteration took ~9 ms instead of ~0.1 ms."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        return _fit_moe(r, form, bootstrap, seed, fixed, grid, E_start, E_max)
-
-
-def _fit_moe(r: MoERuns, form: str = "moe-joint", bootstrap: int = 0, seed: int = 0,
             fixed: dict[str, float] | None = None, grid: str | dict = "default",
             E_start: float = 2.0732, E_max: float = 290.4521) -> dict:  # fmt: skip
     """Fit `form` to the runs; `fixed` holds parameters at given values (natural units).

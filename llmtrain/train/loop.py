@@ -213,9 +213,9 @@ def _train(
             if rank == 0:
                 logger.warning("resuming %s: %s", ck_dir.name, w)
     _build(run, Engine, make_dispatcher, init_from=t.init_from if ck_dir is None else None)
-    _restore(run, ck_dir)
-
     counts = count(cfg.model, seq_len=t.seq_len)
+    _restore(run, ck_dir, counts.flops_per_token)
+
     peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
     metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world)
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
@@ -341,7 +341,7 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
 
 
-def _restore(run: _Run, ck_dir: Path | None) -> dict:
+def _restore(run: _Run, ck_dir: Path | None, flops_per_token: float) -> dict:
     """Weights, Adam moments, router biases, RNG and counters from the checkpoint, if any."""
     if ck_dir is None:
         return {}
@@ -354,10 +354,8 @@ def _restore(run: _Run, ck_dir: Path | None) -> dict:
     run.tokens_base = (
         int(state.get("tokens_seen", s0 * lay.tokens_per_step)) - s0 * lay.tokens_per_step
     )
-    fpt = count(run.cfg.model, seq_len=run.cfg.train.seq_len).flops_per_token
-    run.flops_base = (
-        float(state.get("flops", s0 * lay.tokens_per_step * fpt)) - s0 * lay.tokens_per_step * fpt
-    )
+    done_flops = s0 * lay.tokens_per_step * flops_per_token
+    run.flops_base = float(state.get("flops", done_flops)) - done_flops
     run.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
     run.skipped_total = int(state.get("skipped_steps", 0))
     if run.rank == 0:
