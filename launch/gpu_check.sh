@@ -23,8 +23,8 @@
 # the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
-# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b bench_moe_1b_eager
-# kernels tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b; a rerun usually lands
+# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels tests_gpu
+# tests_gpu_train bench_moe_100m bench_moe_1b_eager profile_moe_1b; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
@@ -207,20 +207,19 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
 # before the image's site-packages; set-up puts there only what the image lacks (and DeepSpeed
 # 0.19.8 should the image hold another version)
 export PYTHONPATH=$PYTHONPATH:$SITE
-# Order: the MFU figure first (compiled: should compilation fail, gpu_train.py reruns eager and
-# says so) and the same run eager (speed-up, and the loss curves compared), the kernels timed
-# one by one (cheap; they bound the MFU and decide attn_backend), then correctness in two steps
-# (-v: each result is logged as it finishes, should the step run out of time): the kernel
-# tests, then the training ones
-# (bf16 vs fp32, NCCL save/resume), then the 100M figure and the profile. A step with less
-# budget left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
+# Order, most wanted first, as one run is likely all a session's device minutes allow (a fresh
+# machine's start counts): the MFU figure (compiled: should compilation fail, gpu_train.py
+# reruns eager and says so), the kernels timed one by one (they bound the MFU and decide
+# attn_backend), then correctness in two steps (-v: each result is logged as it finishes,
+# should the step run out of time): the kernel tests, then the training ones (bf16 vs fp32,
+# NCCL save/resume); then the 100M figure, the 1B run eager (what compile buys, loss curves
+# compared) and the profile. A step with less budget left than it needs to finish is skipped,
+# not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
-MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" \
-  --warmup "$WARMUP" --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
-MIN=20 step kernels 65 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
+MIN=30 step kernels 100 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
   --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
@@ -230,6 +229,8 @@ SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
+MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" \
+  --warmup "$WARMUP" --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 

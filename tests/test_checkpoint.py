@@ -6,16 +6,23 @@ from __future__ import annotations
 import json
 import os
 import socket
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
 from llmtrain.checkpoint import CheckpointError, ShardedReader, convert, load_model, open_checkpoint
+from llmtrain.checkpoint import format as fmt
 from llmtrain.checkpoint.format import (
+    PACK_INDEX,
+    PackIndex,
     Piece,
+    _pack_layout,
     load_pieces,
     model_key,
     moment_key,
@@ -68,14 +75,17 @@ def _worker(rank, world, port, d, phase):
     try:
         if phase == "save":
             save_pieces(Path(d), _pieces(*SAVE[rank]), {f"rng/{rank}": bytes([rank])})
+            # format 1 (one DCP tensor per key), as checkpoints before the packed format were
+            save_pieces(Path(d + "_v1"), _pieces(*SAVE[rank]), {f"rng/{rank}": bytes([rank])},
+                        pack=False)  # fmt: skip
         else:
-            for src in ("two", "one"):  # 2 ranks -> 3, 1 process -> 3
+            for src in ("two", "two_v1", "one"):  # 2 ranks -> 3 (both formats), 1 process -> 3
                 got = _pieces(*LOAD[rank], tensors=False)
                 blobs = load_pieces(Path(d) / src, got, [f"rng/{rank}"])
                 want = _pieces(*LOAD[rank])
                 for g, w in zip(got, want):
                     assert torch.equal(g.tensor, w.tensor), (src, rank, g.key, g.start)
-                if src == "two":
+                if src != "one":
                     assert blobs == ({f"rng/{rank}": bytes([rank])} if rank < 2 else {})
     finally:
         dist.destroy_process_group()
@@ -85,11 +95,21 @@ def test_pieces_reshard_between_rank_counts(tmp_path):
     mp.spawn(
         run_then_exit, args=(_worker, 2, _free_port(), str(tmp_path / "two"), "save"), nprocs=2
     )
-    write_index(tmp_path / "two", {"w": {"shape": [5, 7]}, "x": {"shape": [4, 3, 2]},
+    for d in ("two", "two_v1"):
+        write_index(tmp_path / d, {"w": {"shape": [5, 7]}, "x": {"shape": [4, 3, 2]},
                                    "bias": {"shape": [4]}})  # fmt: skip
-    # the replicated bias went to one file only; each rank wrote its own file
-    files = sorted(p.name for p in (tmp_path / "two").glob("*.distcp"))
-    assert files == ["__0_0.distcp", "__1_0.distcp"]
+        # each rank wrote its own file
+        files = sorted(p.name for p in (tmp_path / d).glob("*.distcp"))
+        assert files == ["__0_0.distcp", "__1_0.distcp"]
+    # packed: .metadata lists one part per rank, the index one row per piece, the replicated
+    # bias once (rank 0's)
+    md = FileSystemReader(str(tmp_path / "two")).read_metadata().state_dict_metadata
+    assert sorted(md) == ["pack/float32", "rng/0", "rng/1"]
+    assert len(md["pack/float32"].chunks) == 2
+    idx = PackIndex(tmp_path / "two")
+    bias_id = idx.keys[model_key("bias")][0]
+    assert list(idx.table[0]).count(bias_id) == 1 and idx.table.shape == (6, 5)
+    assert not (tmp_path / "two_v1" / PACK_INDEX).exists()
     # one process wrote full tensors: loaded below in 3 ranks' pieces
     write_full_tensors(
         tmp_path / "one",
@@ -98,11 +118,155 @@ def test_pieces_reshard_between_rank_counts(tmp_path):
     )
     mp.spawn(run_then_exit, args=(_worker, 3, _free_port(), str(tmp_path), "load"), nprocs=3)
     # offline (no process group): full tensors in their saved shape, experts by row blocks
-    r = ShardedReader(tmp_path / "two")
-    assert torch.equal(r.read("w"), W) and torch.equal(r.read("bias"), BIAS)
-    assert torch.equal(r.read("x", "exp_avg"), X)
+    for d in ("two", "two_v1"):
+        r = ShardedReader(tmp_path / d)
+        assert torch.equal(r.read("w"), W) and torch.equal(r.read("bias"), BIAS)
+        assert torch.equal(r.read("x", "exp_avg"), X)
+        with pytest.raises(CheckpointError, match="lacks"):
+            r.read("x")
+
+
+def _summary(pieces: list[tuple[str, int, int, int]], full: dict[str, int]) -> dict:
+    """A rank's local-plan summary for (key, start, numel, produced) pieces."""
+    names = list(dict.fromkeys(k for k, *_ in pieces))
+    rows = np.array([(names.index(k), a, n, lazy, -1) for k, a, n, lazy in pieces], dtype=np.int64)
+    keys = zlib.compress(json.dumps([(k, full[k], "float32") for k in names]).encode())
+    return {"keys": keys, "rows": rows.reshape(-1, 5)}
+
+
+def test_pack_layout_parts_dedup_and_overlap():
+    """The coordinator's layout: small pieces share parts of at most part_elems, a large or
+    lazily produced piece is a part of its own, a piece replicated on several ranks is written
+    by the lowest one, the parts tile each dtype's pack, and the index finds every piece."""
+    full = {"a": 100, "big": 50, "lazy": 5, "bias": 4}
+    r0 = [("a", 0, 4, 0), ("big", 0, 50, 0), ("a", 4, 4, 0), ("lazy", 0, 5, 1), ("a", 8, 6, 0),
+          ("a", 14, 6, 0), ("bias", 0, 4, 0)]  # fmt: skip
+    r1 = [("a", 20, 80, 0), ("bias", 0, 4, 0)]
+    parts, table, keys, totals = _pack_layout([_summary(r0, full), _summary(r1, full)], 10)
+    # a part starts where a piece's offset enters a new bucket of 10, or at a large or lazy
+    # piece (a part of its own): rank 0 a0 | big | a4 | lazy | a8 a14 | bias; rank 1 a20
+    assert [idx for *_, idx in parts[0]] == [[0], [1], [2], [3], [4, 5], [6]]
+    assert all(n < 2 * 10 or len(idx) == 1 for _, _, n, idx in parts[0])  # a bounded copy
+    assert [idx for *_, idx in parts[1]] == [[0]]  # rank 1's bias: rank 0 writes it
+    spans = sorted((off, n) for pr in parts for _, off, n, _ in pr)
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] == totals["float32"] == 100 + 50 + 5 + 4
+    assert table.shape == (6, 8)  # one row per distinct piece
+    order = list(zip(table[0], table[1]))
+    assert order == sorted(order)
+    for _, _, n, pos, off, _ in table.T:  # each row inside its part
+        part = next(p for pr in parts for p in pr if p[1] == off)
+        assert off <= pos and pos + n <= off + part[2]
+    assert [k for k, *_ in keys] == sorted(full)
+    with pytest.raises(CheckpointError, match="overlapping"):
+        _pack_layout([_summary([("a", 0, 10, 0)], full), _summary([("a", 5, 10, 0)], full)], 10)
+
+
+def test_packed_round_trip_across_many_parts(tmp_path, monkeypatch):
+    """Pieces packed into many small parts (one process) come back at another split; a read
+    spanning rows of several parts fills in order."""
+    monkeypatch.setattr(fmt, "PART_ELEMS", 16)
+    t = torch.randn(300, generator=torch.Generator().manual_seed(5))
+    cuts = [0, 7, 9, 40, 41, 90, 200, 233, 300]
+    pieces = [Piece(model_key("t"), 300, a, b - a, tensor=t[a:b].clone())
+              for a, b in zip(cuts, cuts[1:])][::-1]  # fmt: skip
+    save_pieces(tmp_path / "ck", pieces, no_dist=True)
+    md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
+    assert len(md["pack/float32"].chunks) >= 5
+    got = [Piece(model_key("t"), 300, a, b - a, tensor=torch.zeros(b - a))
+           for a, b in ((0, 3), (3, 150), (150, 300))]  # fmt: skip
+    load_pieces(tmp_path / "ck", got, no_dist=True)
+    assert torch.equal(torch.cat([g.tensor for g in got]), t)
     with pytest.raises(CheckpointError, match="lacks"):
-        r.read("x")
+        load_pieces(tmp_path / "ck", [Piece(model_key("u"), 3, 0, 3, tensor=torch.zeros(3))],
+                    no_dist=True)  # fmt: skip
+
+
+def test_a_finite_bit_flip_fails_the_crc32_check(tmp_path):
+    """Damage that leaves the values finite (one low mantissa byte) is caught on load by the
+    piece's crc32, recorded in the pack index when it was written."""
+    from llmtrain.checkpoint.format import _storage_record
+
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(6))
+    pieces = [Piece(model_key("t"), 4096, a, 1024, tensor=t[a : a + 1024].clone())
+              for a in range(0, 4096, 1024)]  # fmt: skip
+    save_pieces(tmp_path / "ck", pieces, no_dist=True)
+    got = torch.zeros(4096)
+    load_pieces(tmp_path / "ck", [Piece(model_key("t"), 4096, 0, 4096, tensor=got)], no_dist=True)
+    assert torch.equal(got, t)
+    info = next(iter(FileSystemReader(str(tmp_path / "ck")).read_metadata().storage_data.values()))
+    path = tmp_path / "ck" / info.relative_path
+    with open(path, "r+b") as fh:
+        at = info.offset + _storage_record(fh, info.offset, info.length, 4096 * 4)
+        fh.seek(at + 4 * 3000)  # element 3000: the low byte of its mantissa
+        b = fh.read(1)
+        fh.seek(at + 4 * 3000)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.raises(
+        CheckpointError, match=r"model/t: elements \[2048, \+1024\) fail their crc32"
+    ):
+        load_pieces(tmp_path / "ck", [Piece(model_key("t"), 4096, 0, 4096, tensor=got)],
+                    no_dist=True)  # fmt: skip
+    # a read of part of a stored piece cannot check it, and still reads
+    part = torch.zeros(10)
+    load_pieces(tmp_path / "ck", [Piece(model_key("t"), 4096, 100, 10, tensor=part)], no_dist=True)
+    assert torch.equal(part, t[100:110])
+
+
+def test_a_device_target_is_read_through_a_host_buffer(tmp_path):
+    """A CUDA run resumes into fp32 master weights and moments on the GPU: the ranged reader
+    must not read into them in place (`.numpy()` refuses any non-host tensor). A meta tensor
+    stands in for the device here; the checksum is checked on the host bytes."""
+    t = torch.randn(64, generator=torch.Generator().manual_seed(7))
+    save_pieces(tmp_path / "ck", [Piece(model_key("t"), 64, 0, 64, tensor=t)], no_dist=True)
+    on_device = torch.empty(64, device="meta")
+    load_pieces(tmp_path / "ck", [Piece(model_key("t"), 64, 0, 64, tensor=on_device)],
+                no_dist=True)  # fmt: skip
+
+
+def test_torch_reader_fallback_checks_crc_only_on_unconverted_bytes(tmp_path, monkeypatch):
+    """Where the ranged reader falls back to torch's (a chunk layout it does not know), the
+    crc32 is checked after torch's copy, unless that copy converted the dtype."""
+    t = torch.randn(256, generator=torch.Generator().manual_seed(8))
+    save_pieces(tmp_path / "ck", [Piece(model_key("t"), 256, 0, 256, tensor=t)], no_dist=True)
+    monkeypatch.setattr(fmt, "_storage_record", lambda *a: None)
+    half = torch.zeros(256, dtype=torch.bfloat16)
+    load_pieces(tmp_path / "ck", [Piece(model_key("t"), 256, 0, 256, tensor=half,
+                                        dtype=torch.bfloat16)], no_dist=True)  # fmt: skip
+    assert torch.equal(half, t.bfloat16())
+    idx = np.load(tmp_path / "ck" / PACK_INDEX)
+    idx[5, 0] ^= 1  # the stored crc no longer matches: torch's path checks it too
+    np.save(tmp_path / "ck" / PACK_INDEX, idx)
+    with pytest.raises(CheckpointError, match="crc32"):
+        load_pieces(tmp_path / "ck", [Piece(model_key("t"), 256, 0, 256,
+                                            tensor=torch.zeros(256))], no_dist=True)  # fmt: skip
+
+
+def test_load_plans_hold_no_tensor_reads_and_pack_files_are_required(tmp_path):
+    """DCP gathers every rank's load plan on the coordinator: ours carry the blobs only (one
+    ReadItem per piece at 1,000 ranks would be gigabytes there); the reads join at
+    finish_plan. A packed checkpoint missing its index files says which."""
+    from llmtrain.checkpoint.format import PieceLoadPlanner
+
+    t = torch.randn(64, generator=torch.Generator().manual_seed(9))
+    pieces = [
+        Piece(model_key("t"), 64, a, 16, tensor=t[a : a + 16].clone()) for a in (0, 16, 32, 48)
+    ]
+    save_pieces(tmp_path / "ck", pieces, {"rng/0": b"x"}, no_dist=True)
+    md = FileSystemReader(str(tmp_path / "ck")).read_metadata()
+    pl = PieceLoadPlanner([Piece(model_key("t"), 64, 8, 40, tensor=torch.zeros(40))], ["rng/0"],
+                          PackIndex.open(tmp_path / "ck", md))  # fmt: skip
+    pl.set_up_planner({}, md, True)
+    local = pl.create_local_plan()
+    assert [r.dest_index.fqn for r in local.items] == ["rng/0"]
+    assert len(pl.finish_plan(local).items) == 1 + 3  # the blob and rows [0,16) [16,32) [32,48)
+    (tmp_path / "ck" / "pack_keys.json").write_text('{"format": "llmtrain-dcp-2"}')
+    with pytest.raises(CheckpointError, match="pack_keys.json"):
+        load_pieces(tmp_path / "ck", pieces, no_dist=True)
+    (tmp_path / "ck" / "pack_keys.json").unlink()
+    write_index(tmp_path / "ck", {"t": {"shape": [64]}})
+    with pytest.raises(CheckpointError, match="pack_keys.json"):
+        ShardedReader(tmp_path / "ck")
 
 
 def _bytes_read() -> int:

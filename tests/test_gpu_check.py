@@ -62,8 +62,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         # llmtrain count's prediction for the same layout (CUDA's, so not compared here)
         assert r["predicted_memory_gib"] > 0 and r["predicted_parts_gib"]["activations"] > 0, r
     summary = log[log.index("gpu_check summary") :]
-    steps = ("setup", "prepare_data", "bench_moe_1b", "bench_moe_1b_eager", "kernels",
-             "tests_gpu", "tests_gpu_train", "bench_moe_100m", "profile_moe_1b")  # fmt: skip
+    steps = ("setup", "prepare_data", "bench_moe_1b", "kernels", "tests_gpu", "tests_gpu_train",
+             "bench_moe_100m", "bench_moe_1b_eager", "profile_moe_1b")  # fmt: skip
     for step in steps:
         assert f"\n{step} " in summary and "timeout" not in summary, summary
     # tests/gpu collected by both pytest steps
@@ -175,7 +175,7 @@ def test_gpu_check_fails_a_step_the_budget_leaves_out_and_says_how_to_rerun(tmp_
     """A step the budget cannot fit fails the check (no figure is not a pass), and the summary
     ends with the rerun that leaves out what passed (set-up and data always run again)."""
     out = tmp_path / "out"
-    done = "bench_moe_1b bench_moe_1b_eager kernels tests_gpu tests_gpu_train bench_moe_100m"
+    done = "bench_moe_1b kernels tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_eager"
     env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
                LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="45",
                GPU_CHECK_SKIP=done, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip

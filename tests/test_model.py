@@ -125,6 +125,30 @@ def test_mtp_loss_and_grads(debug_cfg):
         assert model(ids[:, :-1], labels=lab).mtp_loss != base
 
 
+def test_mtp_depths_take_the_normed_hidden_state(debug_cfg):
+    """Depth 1 reads the main model's state after `model.norm` (what vLLM/SGLang feed
+    DeepSeek-V3's MTP layer when drafting, and Megatron-Core trains on); depth 2 reads depth 1's
+    normed output. A non-uniform final-norm weight tells pre- from post-norm apart."""
+    cfg = dataclasses.replace(debug_cfg.model, mtp_depth=2)
+    model = build_model(cfg, seed=4)
+    model.eval()
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.linspace(0.2, 3.0, cfg.hidden_size))
+    seen = {}
+    for k, mod in enumerate(model.mtp):
+        mod.register_forward_hook(lambda m, args, out, k=k: seen.update({k: (args[0], out[0])}))
+    ids = _ids(cfg, t=20)
+    with torch.no_grad():
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        n = ids.shape[1] - 1
+        normed = model.model.norm(out.hidden)
+        torch.testing.assert_close(seen[0][0], normed[:, : n - 1])
+        assert not torch.allclose(seen[0][0], out.hidden[:, : n - 1])
+        torch.testing.assert_close(seen[1][0], model.mtp[0].norm(seen[0][1])[:, : n - 2])
+        ce = [model.lm_head(model.mtp[k].norm(seen[k][1]), ids[:, 1 + k + 1 :]) for k in (0, 1)]
+        torch.testing.assert_close(out.mtp_loss, torch.stack(ce).mean())
+
+
 def test_mtp_keeps_packed_documents_apart(debug_cfg):
     """Changing only document A must not move the MTP loss scored on document B: the MTP block
     reads the main model's document mask, cut to its positions."""

@@ -9,10 +9,21 @@ take any non-overlapping 1-D chunks (`WriteItem(type=SHARD)`, `ChunkStorageMetad
 one file per rank in parallel, record the chunks in `.metadata`, and on load compute the
 overlaps each rank needs, so a rank reads only the stored chunks that meet its own pieces.
 
-A checkpoint directory holds DCP's files (`.metadata`, `__{rank}_0.distcp`) plus
-`tensors.json` (each tensor's saved shape and kind), `state.json` (run state), `config.yaml`
-and `tokenizer.json`. DCP keys: `model/<name>` (fp32 weights and router-bias buffers),
-`optim/<moment>/<name>` (Adam moments), `rng/<rank>` (bytes).
+Packed (format 2): DCP's `.metadata` lists every stored chunk and is read whole by every rank,
+so one chunk per tensor per rank grows as tensors x ranks: ZeRO-3 splits each of DeepSeek-V3's
+~3,000 saved tensors over all 1,024 ranks, 3.1M chunks, a ~440 MB pickle that unpickles to
+~9 GB on every rank (measured: 142 B and ~2.9 kB per chunk). So each rank's pieces are written
+concatenated into a few large "parts" of one DCP tensor per dtype (`pack/float32`), and
+`pack_index.npy` (columns key id, start, numel, pack position, part offset; sorted by key and
+start) says where each piece lies. A reader memory-maps the index and binary-searches only
+the rows its own pieces meet; `.metadata` holds ranks x parts chunks. Pieces identical on
+several ranks (replicated buffers) are written once, by the lowest rank.
+
+A checkpoint directory holds DCP's files (`.metadata`, `__{rank}_0.distcp`), `pack_keys.json`
+and `pack_index.npy`, plus `tensors.json` (each tensor's saved shape and kind), `state.json`
+(run state), `config.yaml` and `tokenizer.json`. Keys: `model/<name>` (fp32 weights and
+router-bias buffers), `optim/<moment>/<name>` (Adam moments), `rng/<rank>` (bytes). Format 1
+(no pack files: each key its own DCP tensor) is still read.
 """
 
 from __future__ import annotations
@@ -28,11 +39,13 @@ import struct
 import sys
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -57,9 +70,17 @@ from torch.futures import Future
 
 from llmtrain.errors import LlmtrainError
 
-FORMAT = "llmtrain-dcp-1"
+FORMAT = "llmtrain-dcp-2"
+READABLE_FORMATS = ("llmtrain-dcp-1", FORMAT)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 INDEX_FILE = "tensors.json"
+PACK_KEYS = "pack_keys.json"
+PACK_INDEX = "pack_index.npy"
+PACK_PREFIX = "pack/"
+# parts of small pieces start where a piece's offset enters a new bucket of this many elements
+# (256 MB of fp32), so a part's copy at write time stays under twice that; a piece this large,
+# or one produced lazily, is a part of its own (written without a copy)
+PART_ELEMS = 2**26
 
 
 class CheckpointError(LlmtrainError, RuntimeError):
@@ -100,58 +121,291 @@ def _chunk(p: Piece) -> ChunkStorageMetadata:
 
 
 class PieceSavePlanner(DefaultSavePlanner):
-    """Emits one SHARD write item per piece; identical pieces held by several ranks (replicated
-    buffers) are written once, by the lowest rank (DCP's dedup)."""
+    """Packs each rank's pieces into parts of one DCP tensor per dtype (see the module doc).
 
-    def __init__(self, pieces: list[Piece], blobs: dict[str, bytes], on_write=None):
+    Local plans carry only a compact summary (key names and an int64 row per piece); the
+    coordinator drops pieces identical to a lower rank's, checks the rest do not overlap, lays
+    out every rank's parts, writes `pack_index.npy` and `pack_keys.json`, and hands each rank
+    its parts. `out` is the checkpoint directory (where the coordinator writes the index);
+    `pack=False` writes format 1 (one DCP tensor per key), kept to test reading old checkpoints."""
+
+    def __init__(self, pieces: list[Piece], blobs: dict[str, bytes], on_write=None,
+                 out: Path | None = None, pack: bool = True, part_elems: int | None = None):  # fmt: skip
         super().__init__(
             flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True
         )
-        self.pieces = {(p.key, p.start): p for p in pieces if p.numel > 0}
+        self.pieces = list({(p.key, p.start): p for p in pieces if p.numel > 0}.values())
         self.blobs = blobs
         self.on_write = on_write
+        self.out, self.pack = out, pack
+        self.part_elems = PART_ELEMS if part_elems is None else part_elems
         self.n_written = 0
+        self._parts: dict[tuple[str, int], list[int]] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for p in self.pieces.values():
-            props = TensorProperties(dtype=p.dtype)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(p.key, torch.Size([p.start])),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=_chunk(p), properties=props, size=torch.Size([p.full_numel])
-                    ),
-                )
-            )
-        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs]
-        self.plan = SavePlan(items)
+        items = [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs]
+        if not self.pack:
+            items += [_write_item(p.key, p.start, p.numel, p.full_numel, p.dtype)
+                      for p in self.pieces]  # fmt: skip
+            self.plan = SavePlan(items)
+            return self.plan
+        keys: dict[str, tuple[int, str]] = {}
+        for p in self.pieces:
+            info = (p.full_numel, _dtype_name(p.dtype))
+            if keys.setdefault(p.key, info) != info:
+                raise CheckpointError(f"{p.key}: pieces of different sizes or dtypes {info}, "
+                                      f"{keys[p.key]}")  # fmt: skip
+        names = list(keys)
+        kid = {k: i for i, k in enumerate(names)}
+        rows = np.array(
+            [(kid[p.key], p.start, p.numel, int(p.produce is not None),
+              crc32(p.tensor) if p.tensor is not None else -1) for p in self.pieces],
+            dtype=np.int64,
+        ).reshape(-1, 5)  # fmt: skip
+        # compressed: every rank names the same ~3,000 keys, the coordinator gathers them all
+        packed_keys = zlib.compress(json.dumps([(k, *keys[k]) for k in names]).encode())
+        summary = {"keys": packed_keys, "rows": rows}
+        self.plan = SavePlan(items, planner_data=summary)
         return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        if self.pack:
+            parts, table, keys, totals = _pack_layout(
+                [pl.planner_data for pl in all_plans], self.part_elems
+            )
+            all_plans = [
+                dataclasses.replace(
+                    pl,
+                    items=list(pl.items) + [
+                        _write_item(PACK_PREFIX + dt, off, n, totals[dt], _DTYPES[dt])
+                        for dt, off, n, _ in parts[r]
+                    ],
+                    planner_data=parts[r],
+                )
+                for r, pl in enumerate(all_plans)
+            ]  # fmt: skip
+            if self.out is not None:
+                _write_pack_index(Path(self.out), table, keys, self.part_elems)
+        return super().create_global_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self.pack:
+            self._parts = {(dt, off): idx for dt, off, _, idx in new_plan.planner_data}
+        return super().finish_plan(new_plan)
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.blobs[write_item.index.fqn])
-        p = self.pieces[(write_item.index.fqn, write_item.index.offset[0])]
+        fqn, off = write_item.index.fqn, write_item.index.offset[0]
+        if not self.pack:
+            t = self._piece_data(next(p for p in self.pieces if (p.key, p.start) == (fqn, off)))
+        else:
+            idx = self._parts[(fqn[len(PACK_PREFIX) :], off)]
+            if len(idx) == 1:  # a part of its own: the piece itself, no copy
+                t = self._piece_data(self.pieces[idx[0]])
+            else:  # small pieces: one bounded copy
+                n = sum(self.pieces[i].numel for i in idx)
+                t = torch.empty(n, dtype=self.pieces[idx[0]].dtype)
+                at = 0
+                for i in idx:
+                    d = self._piece_data(self.pieces[i])
+                    t[at : at + d.numel()].copy_(d)
+                    at += d.numel()
+        self.n_written += 1
+        if self.on_write is not None:
+            self.on_write(self.n_written, len(self._parts) if self.pack else len(self.pieces))
+        return t
+
+    @staticmethod
+    def _piece_data(p: Piece) -> torch.Tensor:
         t = p.data()
         if t.numel() != p.numel or t.dtype != p.dtype:
             raise CheckpointError(f"{p.key}: piece of {t.numel()} {t.dtype}, planned {p.numel}")
-        self.n_written += 1
-        if self.on_write is not None:
-            self.on_write(self.n_written, len(self.pieces))
         return t
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if _DTYPES.get(name) != dtype:
+        raise CheckpointError(f"cannot checkpoint a {dtype} piece (supported: {list(_DTYPES)})")
+    return name
+
+
+def _write_item(key: str, start: int, numel: int, full: int, dtype: torch.dtype) -> WriteItem:
+    chunk = ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([numel]))
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size([start])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size([full])
+        ),
+    )
+
+
+def _pack_layout(summaries: list[dict], part_elems: int):
+    """The coordinator's plan: for each rank, its parts [(dtype, pack offset, numel, [piece
+    indices in the rank's order])]; the index table [6, rows] (key id, start, numel, pack
+    position, part offset, crc32 of the piece's bytes or -1) sorted by key and start; the keys [(name, full numel, dtype)]; and
+    each dtype's pack length. Vectorised: ~3M pieces at 1,024 ranks. Summary rows: (key,
+    start, numel, produced lazily, crc32 or -1)."""
+    keys: dict[str, tuple[int, str]] = {}
+    lists = {blob: json.loads(zlib.decompress(blob)) for blob in {s["keys"] for s in summaries}}
+    for decoded in lists.values():  # ZeRO ranks send the same list: each distinct one once
+        for name, full, dt in decoded:
+            if keys.setdefault(name, (full, dt)) != (full, dt):
+                raise CheckpointError(f"{name}: ranks disagree on its size or dtype "
+                                      f"({keys[name]} vs {(full, dt)})")  # fmt: skip
+    names = sorted(keys)
+    gid = {k: i for i, k in enumerate(names)}
+    to_global = {b: np.array([gid[k[0]] for k in d], dtype=np.int64) for b, d in lists.items()}
+    del lists
+    fulls = np.array([keys[k][0] for k in names], dtype=np.int64)
+    dts = [keys[k][1] for k in names]
+    cols = []  # key id, start, numel, rank, local index, own part
+    for r, s in enumerate(summaries):
+        rows = s["rows"]
+        to_g = to_global[s["keys"]]
+        n = len(rows)
+        cols.append(np.stack([to_g[rows[:, 0]] if n else rows[:, 0], rows[:, 1], rows[:, 2],
+                              np.full(n, r), np.arange(n), rows[:, 3], rows[:, 4]], 1))  # fmt: skip
+    a = np.concatenate(cols) if cols else np.zeros((0, 7), dtype=np.int64)
+    a = a[np.lexsort((a[:, 3], a[:, 1], a[:, 0]))]  # by key, start, rank
+    same = np.zeros(len(a), dtype=bool)
+    same[1:] = (a[1:, 0] == a[:-1, 0]) & (a[1:, 1] == a[:-1, 1]) & (a[1:, 2] == a[:-1, 2])
+    a = a[~same]  # a replicated piece: the lowest rank writes it
+    over = np.nonzero((a[1:, 0] == a[:-1, 0]) & (a[1:, 1] < a[:-1, 1] + a[:-1, 2]))[0]
+    if len(over):
+        k, i = names[a[over[0], 0]], over[0]
+        raise CheckpointError(f"{k}: ranks {a[i, 3]} and {a[i + 1, 3]} hold overlapping, "
+                              f"different pieces [{a[i, 1]}, +{a[i, 2]}) and "
+                              f"[{a[i + 1, 1]}, +{a[i + 1, 2]})")  # fmt: skip
+    if len(a) and ((a[:, 1] < 0) | (a[:, 1] + a[:, 2] > fulls[a[:, 0]])).any():
+        raise CheckpointError("a piece lies outside its tensor")
+    # each rank's kept pieces in its own order, per dtype, cut into parts
+    a = a[np.lexsort((a[:, 4], a[:, 3]))]
+    pos = np.zeros(len(a), dtype=np.int64)
+    part_of = np.zeros(len(a), dtype=np.int64)
+    totals: dict[str, int] = {}
+    parts: list[list] = [[] for _ in summaries]
+    dt_of = np.array(dts, dtype=object)
+    bounds = np.searchsorted(a[:, 3], np.arange(len(summaries) + 1))
+    for r in range(len(summaries)):
+        lo, hi = bounds[r], bounds[r + 1]
+        for dt in sorted(set(dt_of[a[lo:hi, 0]])) if hi > lo else ():
+            sel = lo + np.nonzero(dt_of[a[lo:hi, 0]] == dt)[0]
+            n = a[sel, 2]
+            own = (a[sel, 5] == 1) | (n >= part_elems)
+            local = np.concatenate([[0], np.cumsum(n)[:-1]])
+            brk = np.zeros(len(sel), dtype=bool)
+            brk[1:] = own[1:] | own[:-1] | (local[1:] // part_elems != local[:-1] // part_elems)
+            base = totals.get(dt, 0)
+            pos[sel] = base + local
+            starts = np.nonzero(np.concatenate([[True], brk[1:]]))[0]
+            ends = np.append(starts[1:], len(sel))
+            for s0, e0 in zip(starts, ends):
+                off = int(base + local[s0])
+                part_of[sel[s0:e0]] = off
+                parts[r].append((dt, off, int(n[s0:e0].sum()), a[sel[s0:e0], 4].tolist()))
+            totals[dt] = base + int(n.sum())
+    order = np.lexsort((a[:, 1], a[:, 0]))
+    table = np.stack([a[order, 0], a[order, 1], a[order, 2], pos[order], part_of[order],
+                      a[order, 6]])  # fmt: skip
+    return parts, table, [(k, int(fulls[i]), dts[i]) for i, k in enumerate(names)], totals
+
+
+def _write_pack_index(path: Path, table: np.ndarray, keys: list, part_elems: int) -> None:
+    with open(path / PACK_INDEX, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(table, dtype=np.int64))
+        fh.flush()
+        os.fsync(fh.fileno())
+    write_file(path / PACK_KEYS, json.dumps({"format": FORMAT, "part_elems": part_elems,
+                                             "keys": keys}))  # fmt: skip
+
+
+class PackIndex:
+    """A packed checkpoint's index, memory-mapped: a lookup touches a few pages, not the file."""
+
+    def __init__(self, path: Path):
+        try:
+            meta = json.loads((path / PACK_KEYS).read_text())
+            self.table = np.load(path / PACK_INDEX, mmap_mode="r")
+            self.keys = {k: (i, int(full), dt) for i, (k, full, dt) in enumerate(meta["keys"])}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: {PACK_KEYS} or {PACK_INDEX} is missing or corrupt "
+                                  f"({e}); resume from an earlier checkpoint") from e  # fmt: skip
+        if self.table.ndim != 2 or self.table.shape[0] != 6:
+            raise CheckpointError(f"{path / PACK_INDEX}: unexpected shape {self.table.shape}")
+
+    @classmethod
+    def open(cls, path: Path, metadata) -> PackIndex | None:
+        """The index of a packed checkpoint (its `.metadata` holds `pack/*`), else None."""
+        if not any(k.startswith(PACK_PREFIX) for k in metadata.state_dict_metadata):
+            return None
+        return cls(path)
+
+    def full(self, key: str) -> int | None:
+        got = self.keys.get(key)
+        return None if got is None else got[1]
+
+    def read_items(self, p: Piece, i: int) -> tuple[list[ReadItem], dict[int, int]]:
+        """Reads of the stored rows that meet piece `p` (the i-th of the planner), and the crc32
+        of each read that takes a whole stored piece, by its offset in `p`."""
+        kid, _, dt = self.keys[p.key]
+        ids = self.table[0]
+        lo, hi = int(np.searchsorted(ids, kid, "left")), int(np.searchsorted(ids, kid, "right"))
+        starts = self.table[1, lo:hi]
+        end = p.start + p.numel
+        j0 = lo + max(0, int(np.searchsorted(starts, p.start, "right")) - 1)
+        j1 = lo + int(np.searchsorted(starts, end, "left"))
+        rows = np.asarray(self.table[1:6, j0:j1])
+        items, crcs = [], {}
+        for s, n, pos, off, crc in rows.T.tolist():
+            a, b = max(s, p.start), min(s + n, end)
+            if (a, b) == (s, s + n) and crc >= 0:
+                crcs[a - p.start] = crc
+            if b > a:
+                items.append(ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(p.key, torch.Size([p.start]), i),
+                    dest_offsets=torch.Size([a - p.start]),
+                    storage_index=MetadataIndex(PACK_PREFIX + dt, torch.Size([off])),
+                    storage_offsets=torch.Size([pos + (a - s) - off]),
+                    lengths=torch.Size([b - a]),
+                ))  # fmt: skip
+        return items, crcs
+
+
+def crc32(t: torch.Tensor) -> int:
+    """zlib's crc32 of a tensor's bytes (~7 GB/s here), read to the host in bounded blocks."""
+    flat = t.detach().reshape(-1)
+    step = max(1, 2**26 // flat.element_size())
+    crc = 0
+    for a in range(0, flat.numel(), step):
+        block = flat[a : a + step].contiguous().cpu()
+        crc = zlib.crc32(memoryview(block.view(torch.uint8).numpy()), crc)
+    return crc
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
     """Reads, for each local piece, the overlapping parts of the stored chunks (any split)."""
 
-    def __init__(self, pieces: list[Piece], blob_keys: list[str] = ()):
+    def __init__(
+        self, pieces: list[Piece], blob_keys: list[str] = (), pack: PackIndex | None = None
+    ):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = [p for p in pieces if p.numel > 0]
+        self.pack = pack
+        # (piece, offset in it) -> (crc32, stored dtype) of a read that takes a whole stored piece
+        self._crc: dict[tuple[int, int], tuple[int, torch.dtype]] = {}
+        self._reads: list[ReadItem] = []
         self.blob_keys = list(blob_keys)
         self.blobs: dict[str, bytes] = {}
         self._buf: dict[int, torch.Tensor] = {}
@@ -166,18 +420,26 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         md = self.metadata.state_dict_metadata
         items: list[ReadItem] = []
         for i, p in enumerate(self.pieces):
-            saved = md.get(p.key)
-            if not isinstance(saved, TensorStorageMetadata):
+            if self.pack is not None:
+                full = self.pack.full(p.key)
+            else:
+                saved = md.get(p.key)
+                full = math.prod(saved.size) if isinstance(saved, TensorStorageMetadata) else None
+            if full is None:
                 raise CheckpointError(f"the checkpoint lacks {p.key}")
-            if saved.size != torch.Size([p.full_numel]):
+            if full != p.full_numel:
                 raise CheckpointError(
-                    f"{p.key}: the checkpoint holds {math.prod(saved.size)} elements, the model "
+                    f"{p.key}: the checkpoint holds {full} elements, the model "
                     f"{p.full_numel}; it was written for another model config"
                 )
-            # one local chunk per piece; dest_index.index says which piece
-            got = create_read_items_for_chunk_list(p.key, saved, [_chunk(p)])
-            got = [dataclasses.replace(r, dest_index=MetadataIndex(p.key, r.dest_index.offset, i))
-                   for r in got]  # fmt: skip
+            if self.pack is not None:
+                got, crcs = self.pack.read_items(p, i)
+                stored = _DTYPES[self.pack.keys[p.key][2]]
+                self._crc.update({(i, at): (c, stored) for at, c in crcs.items()})
+            else:  # format 1: one local chunk per piece; dest_index.index says which piece
+                got = create_read_items_for_chunk_list(p.key, saved, [_chunk(p)])
+                got = [dataclasses.replace(r, dest_index=MetadataIndex(p.key, r.dest_index.offset,
+                                                                       i)) for r in got]  # fmt: skip
             if sum(math.prod(r.lengths) for r in got) != p.numel:
                 raise CheckpointError(f"{p.key}: the checkpoint does not cover [{p.start}, "
                                       f"{p.start + p.numel}); it is incomplete")  # fmt: skip
@@ -189,7 +451,13 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                 items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k),
                                       dest_offsets=z, storage_index=MetadataIndex(k),
                                       storage_offsets=z, lengths=z))  # fmt: skip
-        return LoadPlan(items)
+        # the tensor reads stay here: DCP gathers every rank's plan on the coordinator, and at
+        # 1,000 ranks one ReadItem per piece is gigabytes there; the blobs go through DCP
+        self._reads = [r for r in items if r.type != LoadItemType.BYTE_IO]
+        return LoadPlan([r for r in items if r.type == LoadItemType.BYTE_IO])
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        return LoadPlan(list(new_plan.items) + self._reads)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.blobs[read_item.dest_index.fqn] = value.read()
@@ -206,7 +474,24 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         t = self._target(read_item.dest_index.index)
         return t.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
+    def expected_crc(self, read_item: ReadItem) -> tuple[int, torch.dtype] | None:
+        """The crc32 (and stored dtype) of a read that takes a whole stored piece; each read's
+        once, so a check made by the ranged reader is not repeated by `commit_tensor`."""
+        return self._crc.pop((read_item.dest_index.index, read_item.dest_offsets[0]), None)
+
+    def check_crc(self, read_item: ReadItem, want: int, got: int) -> None:
+        if want != got:
+            p = self.pieces[read_item.dest_index.index]
+            raise CheckpointError(
+                f"{p.key}: elements [{p.start + read_item.dest_offsets[0]}, "
+                f"+{read_item.lengths[0]}) fail their crc32 check: the checkpoint's files are "
+                "damaged; resume from an earlier checkpoint (RUN/checkpoints/step_*)"
+            )
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        want = self.expected_crc(read_item)  # torch's reader; the ranged one checked already
+        if want is not None and tensor.dtype == want[1]:  # a converted copy has other bytes
+            self.check_crc(read_item, want[0], crc32(tensor))
         i = read_item.dest_index.index
         self._left[i] -= 1
         if self._left[i] == 0 and i in self._buf:
@@ -214,6 +499,8 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------- ranged reads
+
+READ_BLOCK = 2**26  # bytes: the host buffer a read into a device tensor goes through
 
 
 class _Window(io.RawIOBase):
@@ -331,22 +618,31 @@ class RangedReader(dcp.FileSystemReader):
         n = req.lengths[0]
         if target.numel() != n:
             raise CheckpointError(f"{req.storage_index.fqn}: read of {n} into {target.numel()}")
-        buf = (
-            target
-            if (target.dtype == dtype and target.is_contiguous())
-            else torch.empty(n, dtype=dtype)
-        )
+        want = planner.expected_crc(req)
         fh.seek(info.offset + at + req.storage_offsets[0] * size)
-        view = memoryview(buf.view(torch.uint8).numpy()) if n else memoryview(b"")
-        got = 0
-        while got < n * size:
-            k = fh.readinto(view[got:])
-            if not k:
-                raise CheckpointError(f"{self.path}/{info.relative_path} is truncated at "
-                                      f"{req.storage_index.fqn}")  # fmt: skip
-            got += k
-        if buf is not target:
-            target.copy_(buf)
+        # straight into the target only on the host: a GPU target (the fp32 master weights and
+        # moments of a CUDA run) is read through one bounded (pinned) host buffer
+        direct = target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
+        step = max(1, n) if direct else max(1, min(n, READ_BLOCK // size))
+        buf = target if direct else torch.empty(step, dtype=dtype, pin_memory=target.is_cuda)
+        crc = 0
+        for a in range(0, n, step):
+            k = min(step, n - a)
+            dst = buf if direct else buf[:k]
+            view = memoryview(dst.view(torch.uint8).numpy())
+            got = 0
+            while got < k * size:
+                r = fh.readinto(view[got:])
+                if not r:
+                    raise CheckpointError(f"{self.path}/{info.relative_path} is truncated at "
+                                          f"{req.storage_index.fqn}")  # fmt: skip
+                got += r
+            if want is not None:  # on the host bytes read, before any copy to a device
+                crc = zlib.crc32(view, crc)
+            if not direct:
+                target[a : a + k].copy_(dst)
+        if want is not None:
+            planner.check_crc(req, want[0], crc)
         planner.commit_tensor(req, target)
         return True
 
@@ -361,12 +657,14 @@ def save_pieces(
     on_write: Callable[[int, int], None] | None = None,
     no_dist: bool = False,
     group=None,
+    pack: bool = True,
 ) -> None:
-    """Every rank writes its pieces into its own file under `path`; rank 0 writes `.metadata`.
-    Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before the i-th piece. `group`:
-    the process group DCP coordinates over (default: the default group)."""
+    """Every rank writes its pieces into its own file under `path`; rank 0 writes `.metadata`
+    and the pack index. Files are fsynced (DCP's `sync_files`). `on_write(i, n)` runs before
+    the i-th of n parts. `group`: the process group DCP coordinates over (default: the default
+    group). `pack=False`: format 1, for tests of reading old checkpoints."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    planner = PieceSavePlanner(pieces, blobs or {}, on_write)
+    planner = PieceSavePlanner(pieces, blobs or {}, on_write, out=path, pack=pack)
     _unwrapped(dcp.save, path, {}, storage_writer=writer, planner=planner, no_dist=no_dist,
                process_group=group, saving=True)  # fmt: skip
 
@@ -377,13 +675,13 @@ def load_pieces(
     """Fill each piece from the stored chunks it overlaps; returns the requested blobs present."""
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} has no .metadata: not a complete sharded checkpoint")
-    planner = PieceLoadPlanner(pieces, blob_keys)
     reader = RangedReader(str(path))
     try:  # before DCP: it would log a torch traceback per rank for an unreadable file
-        reader.read_metadata()
+        md = reader.read_metadata()
     except Exception as e:
         raise CheckpointError(f"{path}/.metadata is missing or corrupt ({type(e).__name__}); "
                               "resume from an earlier checkpoint (RUN/checkpoints/step_*)") from e  # fmt: skip
+    planner = PieceLoadPlanner(pieces, blob_keys, PackIndex.open(path, md))
     _unwrapped(dcp.load, path, {}, storage_reader=reader, planner=planner, no_dist=no_dist)
     return planner.blobs
 
@@ -498,7 +796,7 @@ class ShardedReader:
             index = json.loads((self.dir / INDEX_FILE).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.dir / INDEX_FILE} is missing or corrupt: {e}") from e
-        if index.get("format") != FORMAT:
+        if index.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"{self.dir}: unknown checkpoint format {index.get('format')!r}")
         self.index: dict[str, dict] = index["tensors"]
         self._reader = RangedReader(str(self.dir))
@@ -507,6 +805,7 @@ class ShardedReader:
         except Exception as e:
             raise CheckpointError(f"{self.dir}/.metadata is missing or corrupt: {e}") from e
         self._reader.set_up_storage_reader(self._md, True)
+        self._pack = PackIndex.open(self.dir, self._md)
 
     def names(self) -> list[str]:
         return list(self.index)
@@ -515,13 +814,16 @@ class ShardedReader:
         return tuple(self.index[name]["shape"])
 
     def has(self, key: str) -> bool:
+        if self._pack is not None:
+            return key in self._pack.keys
         return key in self._md.state_dict_metadata
 
     def _read(self, key: str, start: int, numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32)
-        planner = PieceLoadPlanner([Piece(key, self._full(key), start, numel, tensor=out)])
+        planner = PieceLoadPlanner([Piece(key, self._full(key), start, numel, tensor=out)],
+                                   pack=self._pack)  # fmt: skip
         planner.set_up_planner({}, self._md, True)
-        plan = planner.create_local_plan()
+        plan = planner.finish_plan(planner.create_local_plan())
         try:
             self._reader.read_data(plan, planner).wait()
         except CheckpointError:
@@ -533,10 +835,14 @@ class ShardedReader:
         return out
 
     def _full(self, key: str) -> int:
-        md = self._md.state_dict_metadata.get(key)
-        if md is None:
+        if self._pack is not None:
+            full = self._pack.full(key)
+        else:
+            md = self._md.state_dict_metadata.get(key)
+            full = None if md is None else math.prod(md.size)
+        if full is None:
             raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
-        return math.prod(md.size)
+        return full
 
     def read(self, name: str, moment: str | None = None) -> torch.Tensor:
         key = model_key(name) if moment is None else moment_key(moment, name)

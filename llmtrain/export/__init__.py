@@ -131,31 +131,26 @@ class CheckpointSource:
 def hf_tensors(
     src, mc: ModelConfig, dtype: torch.dtype, mtp: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our tensors, one at a time, renamed/split to the HF layout and cast."""
-    embed = head = None
+    """Our tensors, one at a time, renamed/split to the HF layout and cast.
+
+    DeepSeek-V3 ships the shared embedding and head again in each MTP layer: those copies are
+    written as soon as the embedding (and, untied, the head) goes by, so no full-size tensor is
+    held back to the end (2 x 3.7 GB in fp32 for DeepSeek-V3)."""
     for name, t, offset in src:
         if name.startswith("mtp.") and not mtp:
             continue
-        if name == "model.embed_tokens.weight" and mc.mtp_depth and mtp:
-            embed = t
-        if name == "lm_head.weight" and mc.mtp_depth and mtp:
-            head = t
         for hname, ht in state_dict_to_hf({name: t}, mc, expert_offset=offset):
             keep32 = hname.endswith(FP32_KEYS)
             yield hname, ht.to(torch.float32 if keep32 else dtype)
-    if mtp and mc.mtp_depth:
-        head = head if head is not None else embed  # tied
-        for k in range(
-            mc.mtp_depth
-        ):  # DeepSeek-V3 ships the shared embedding and head per MTP layer
-            pre = f"model.layers.{mc.num_layers + k}."
-            if embed is not None:
-                yield (
-                    pre + "embed_tokens.weight",
-                    embed.to(dtype).clone(),
-                )  # own storage: safetensors
-            if head is not None:
-                yield pre + "shared_head.head.weight", head.to(dtype).clone()
+        if not (mtp and mc.mtp_depth):
+            continue
+        copies = {"model.embed_tokens.weight": ["embed_tokens.weight"], "lm_head.weight":
+                  ["shared_head.head.weight"]}.get(name, [])  # fmt: skip
+        if name == "model.embed_tokens.weight" and mc.tie_word_embeddings:
+            copies.append("shared_head.head.weight")
+        for k in range(mc.mtp_depth):
+            for what in copies:  # own storage each: safetensors refuses shared tensors
+                yield f"model.layers.{mc.num_layers + k}.{what}", t.to(dtype).clone()
 
 
 # special tokens looked up by name in the run's own tokenizer, first match wins (ours first)

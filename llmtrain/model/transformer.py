@@ -86,7 +86,8 @@ class DecoderLayer(nn.Module):
 
 
 class MTPModule(nn.Module):
-    """One DeepSeek-V3 multi-token-prediction depth: h' = Block(W[enorm(emb(t_{i+k})); hnorm(h_i)]).
+    """One DeepSeek-V3 multi-token-prediction depth: h' = Block(W[enorm(emb(t_{i+k})); hnorm(h_i)]),
+    h_i the previous depth's normed output (depth 1: the main model's, after `model.norm`).
 
     Embedding and output head are shared with the main model; names follow DeepSeek-V3's release
     (enorm, hnorm, eh_proj, shared_head.norm) so the export can write them at layer index L + k.
@@ -269,7 +270,7 @@ class Transformer(nn.Module):
         out.aux_loss = aux
         loss = out.lm_loss + aux
         if len(self.mtp) and t > len(self.mtp):
-            mtp_loss, mtp_aux = self._mtp_loss(x_BTD, input_ids, labels, cos, sin, attention_mask)
+            mtp_loss, mtp_aux = self._mtp_loss(h_BTD, input_ids, labels, cos, sin, attention_mask)
             out.mtp_loss = mtp_loss
             out.aux_loss = aux + mtp_aux
             loss = loss + self.cfg.mtp_loss_weight * mtp_loss + mtp_aux
@@ -278,7 +279,12 @@ class Transformer(nn.Module):
 
     def _mtp_loss(self, h_BTD, input_ids, labels, cos, sin, mask=None):
         """Mean over depths k of CE(t_{i+k+1}); depth k sees positions 0..T-1-k, under the main
-        model's attention mask cut to them (packed documents stay apart, as in Megatron's MTP)."""
+        model's attention mask cut to them (packed documents stay apart, as in Megatron's MTP).
+
+        `h_BTD` is the main model's state after its final norm, and each depth hands on its own
+        normed output: what vLLM, SGLang and TensorRT-LLM feed DeepSeek-V3's released MTP layer
+        when drafting, and what Megatron-Core's MTP trains on, so an exported MTP layer drafts
+        on the input it was trained on."""
         losses, aux = [], h_BTD.new_zeros((), dtype=torch.float32)
         t = input_ids.shape[1]
         for k, mod in enumerate(self.mtp, start=1):
@@ -287,9 +293,10 @@ class Transformer(nn.Module):
             m = mask_prefix(mask, n)
             if isinstance(m, DocumentMask):
                 m.prepare(document_backend(self.cfg.attn_backend, h_BTD))
-            h_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n], m)
+            x_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n], m)
             aux = aux + a
-            losses.append(self.lm_head(mod.norm(h_BTD), labels[:, k:]))
+            h_BTD = mod.norm(x_BTD)
+            losses.append(self.lm_head(h_BTD, labels[:, k:]))
         return torch.stack(losses).mean(), aux
 
     @torch.no_grad()

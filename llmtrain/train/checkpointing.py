@@ -18,8 +18,8 @@ training's; one save is in flight at most, and its error is raised by the next `
 `LLMTRAIN_FAULT_KILL_IN_SAVE=POINT[@STEP]` SIGKILLs the process at POINT (start, write, files,
 rename, latest, prune) of a save, for tests.
 
-Layout:  RUN/checkpoints/step_00000100/{.metadata, __R_0.distcp, tensors.json, state.json,
-         config.yaml, tokenizer.json}  and  RUN/checkpoints/latest
+Layout:  RUN/checkpoints/step_00000100/{.metadata, __R_0.distcp, pack_keys.json, pack_index.npy,
+         tensors.json, state.json, config.yaml, tokenizer.json}  and  RUN/checkpoints/latest
 """
 
 from __future__ import annotations
