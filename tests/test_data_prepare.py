@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from llmtrain.cli import main
 from llmtrain.config import DataConfig
@@ -128,8 +129,8 @@ def test_mixture_weights_are_deterministic(tmp_path):
         p.write_text("".join(json.dumps({"text": _text(rng, 5)}) + "\n" for _ in range(400)))
     mix = [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.25}]
     docs = list(iter_documents(mix))
-    n_a = sum(k.startswith(str(a)) for k, _ in docs)
-    n_b = sum(k.startswith(str(b)) for k, _ in docs)
+    n_a = sum(k.startswith("a.jsonl:") for k, _ in docs)  # keys: names in the source
+    n_b = sum(k.startswith("b.jsonl:") for k, _ in docs)
     assert n_a == 800 and 70 < n_b < 130
     assert docs == list(iter_documents(mix))  # the same documents every time
     with pytest.raises(DataError, match=r"sources\[0\].weight"):
@@ -272,3 +273,172 @@ def test_two_processes_sharing_a_cache_build_once(tmp_path):
     assert [p.name for p in (tmp_path / "shared" / "data").iterdir()] == [
         outs[0][0].split(":")[0].rsplit("/", 1)[1]
     ]  # no .partial, no .lock left
+
+
+def test_split_does_not_depend_on_how_the_path_is_spelled(tmp_path, monkeypatch):
+    """Document keys (validation split, mixture copies) are names inside the source: the same
+    folder given relative, absolute or through a symlink splits the same way."""
+    rng = np.random.default_rng(1)
+    src = tmp_path / "corpus"
+    (src / "sub").mkdir(parents=True)
+    for name in ("a.jsonl", "sub/b.jsonl"):
+        with open(src / name, "w") as f:
+            f.writelines(json.dumps({"text": _text(rng, 20)}) + "\n" for _ in range(40))
+    (tmp_path / "link").symlink_to(src)
+    monkeypatch.chdir(tmp_path)
+
+    def val_keys(spec):
+        return sorted(k for k, _ in iter_documents([spec]) if corpus.is_validation(k, 20.0))
+
+    ref = val_keys(str(src))
+    assert ref and ref == val_keys("corpus") == val_keys(str(tmp_path / "link"))
+    glob_keys = val_keys(str(src / "**" / "*.jsonl"))  # a glob: names from its fixed prefix
+    assert glob_keys == ref
+    assert all(not k.startswith("/") for k in ref)
+
+
+def test_hidden_folders_non_text_fields_and_lone_surrogates(tmp_path):
+    """`huggingface-cli download --local-dir` leaves .cache/ beside the data: not documents. A
+    text field that is a list or number, or JSON text with a lone surrogate, is a bad record
+    (counted), not a document made of its repr or a crash of the tokenizer workers."""
+    src = tmp_path / "src"
+    (src / ".cache" / "hf").mkdir(parents=True)
+    (src / ".cache" / "hf" / "a.jsonl.metadata").write_text("etag 123\n")
+    rng = np.random.default_rng(4)
+    with open(src / "b.jsonl", "w") as f:  # enough for both splits
+        f.writelines(json.dumps({"text": _text(rng, 30)}) + "\n" for _ in range(40))
+    with open(src / "a.jsonl", "w") as f:
+        f.write(json.dumps({"text": "good one"}) + "\n")
+        f.write(json.dumps({"text": ["a", "list"]}) + "\n")
+        f.write(json.dumps({"text": 12345}) + "\n")
+        f.write('{"text": "bad \\ud800 char"}\n')
+    assert [p.name for p in corpus.source_files(str(src))] == ["a.jsonl", "b.jsonl"]
+    bad: list[str] = []
+    docs = [t for _, t in iter_documents([str(src / "a.jsonl")], bad=bad)]
+    assert docs == ["good one"]
+    assert any("a.jsonl:2: 'text' is not a string (list)" in b for b in bad), bad
+    assert any("a.jsonl:3: 'text' is not a string (int)" in b for b in bad), bad
+    assert any("a.jsonl:4: text that is not valid Unicode" in b for b in bad), bad
+    cfg = _cfg(tmp_path, [str(src)], max_bad_records=3)
+    d = prepare_data(cfg, 512)
+    assert json.loads((d / "index.json").read_text())["bad_records"] == 3
+
+
+def test_special_token_text_inside_a_document_is_not_an_eos(tmp_path):
+    """A document that writes "<|endoftext|>" keeps it as text: no fake end of document (it
+    would split the document under data.doc_mask)."""
+    rng = np.random.default_rng(2)
+    src = tmp_path / "s.jsonl"
+    with open(src, "w") as f:
+        f.writelines(json.dumps({"text": _text(rng, 30)}) + "\n" for _ in range(30))
+        f.write(json.dumps({"text": "before <|endoftext|> after"}) + "\n")
+    d = prepare_data(_cfg(tmp_path, [str(src)]), 512)
+    eos = json.loads((d / "index.json").read_text())["eos_id"]
+    n_eos = sum(int((_stream(d, split) == eos).sum()) for split in ("train", "val"))
+    assert n_eos == 31  # one per document
+
+
+def test_truncated_or_missing_shard_is_refused(tmp_path):
+    """A shard shorter than its index says would shift every later sample silently."""
+    rng = np.random.default_rng(3)
+    src = tmp_path / "s.jsonl"
+    with open(src, "w") as f:
+        f.writelines(json.dumps({"text": _text(rng, 80)}) + "\n" for _ in range(40))
+    d = prepare_data(_cfg(tmp_path, [str(src)]), 512)
+    PackedDataset(d, "train", 16)
+    shard = d / json.loads((d / "index.json").read_text())["splits"]["train"]["shards"][0]["file"]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 100)
+    with pytest.raises(DataError, match=r"holds \d+ bytes where its index says \d+ \(truncated"):
+        PackedDataset(d, "train", 16)
+    shard.unlink()
+    with pytest.raises(DataError, match="is missing"):
+        PackedDataset(d, "train", 16)
+
+
+def test_vocab_check_uses_the_largest_id(tmp_path):
+    """A tokenizer with few tokens but a large id (sparse ids) must not pass as small."""
+    from tokenizers import Tokenizer, models
+
+    from llmtrain.data.tokenizer import check_fits, vocab_span
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 5000}, unk_token="a"))
+    assert tok.get_vocab_size(with_added_tokens=True) == 3 and vocab_span(tok) == 5001
+    with pytest.raises(DataError, match="ids reach 5000"):
+        check_fits(tok, 1024)
+    check_fits(tok, 5001)
+
+
+def test_validation_sample_spans_the_split(monkeypatch):
+    """The val loss reads a fixed permutation of the whole split, not its first sequences (its
+    first files): distinct, spread, the same for every call."""
+    import types
+
+    from llmtrain.parallel import comm
+    from llmtrain.train.loop import evaluate
+
+    monkeypatch.setattr(comm, "all_reduce", lambda t, **kw: t)  # one rank, no process group
+
+    class Seqs:
+        n_seq = 1000
+        seen: list[int] = []
+
+        def batch(self, idx):
+            self.seen.extend(idx)
+            x = torch.zeros((len(idx), 4), dtype=torch.long)
+            return x, x
+
+    class Out:
+        lm_loss = 1.0
+
+    def engine(*a, **kw):
+        return Out()
+
+    engine.train = lambda mode=True: None
+    layout = types.SimpleNamespace(global_batch=8, micro_batch=4)
+    ds = Seqs()
+    evaluate(engine, ds, layout, 0, 1, "cpu", 2, 0, False)
+    first = list(ds.seen)
+    assert len(first) == 16 and len(set(first)) == 16 and max(first) > 500
+    ds.seen.clear()
+    evaluate(engine, ds, layout, 0, 1, "cpu", 2, 0, False)
+    assert ds.seen == first
+
+
+def test_large_text_files_tokenize_as_the_whole_file(monkeypatch):
+    """A large .txt is encoded in ~1 MiB pieces; a piece ends after a newline followed by text,
+    so no whitespace run is split and the pieces' tokens are the whole file's."""
+    from llmtrain.data.tokenizer import train_bpe
+
+    monkeypatch.setattr(corpus, "TEXT_PIECE_CHARS", 200)
+    rng = np.random.default_rng(5)
+    # half the lines indented (as code is): a cut after "\n" must not split "\n    "
+    lines = [" " * int(rng.integers(0, 9)) * (i % 2) + _text(rng, 5) for i in range(300)]
+    text = "\n".join(lines) + "\n"
+    tok = train_bpe(iter([text]), 400)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "big.txt"
+        f.write_text(text)
+        pieces = [payload for _, _, payload, _ in corpus._iter_text_file(f, "big.txt")]
+    assert len(pieces) > 10 and "".join(pieces) == text
+    ids = [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
+    assert ids == tok.encode(text, add_special_tokens=False).ids
+    assert corpus._cut("a\n  b\nc\n   ") == 6 and corpus._cut("  \n   ") == 0
+    assert corpus._cut("  \n   ", anyhow=True) == 3
+
+
+def test_tokenizer_sample_takes_every_source_by_weight(tmp_path):
+    """The BPE is trained on each source's share of data.tokenizer_train_bytes, not on the
+    first bytes in source order (which would leave a later source out)."""
+    from tokenizers import Tokenizer
+
+    rng = np.random.default_rng(6)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": _text(rng, 50)}) + "\n" for _ in range(300)))
+    b.write_text("".join(json.dumps({"text": _text(rng, 50).upper()}) + "\n" for _ in range(300)))
+    cfg = _cfg(tmp_path, [str(a), str(b)], tokenizer_train_bytes=40_000)
+    tok = Tokenizer.from_file(str(prepare_data(cfg, 512) / "tokenizer.json"))
+    assert len(tok.encode("ALPHA BETA GAMMA").ids) <= 6
+    assert len(tok.encode("alpha beta gamma").ids) <= 6

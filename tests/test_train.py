@@ -51,6 +51,7 @@ def test_single_process_run_outputs(reference):
     assert (reference / "config.yaml").is_file()
     state = json.loads((ck / f"step_{STEPS:08d}" / "state.json").read_text())
     assert state["step"] == STEPS and state["tokens_seen"] == STEPS * 8 * 128
+    assert len(state["data"]["id"]) == 16 and state["data"]["train_sequences"] > 0
 
 
 @pytest.mark.parametrize(
@@ -126,6 +127,47 @@ def test_checkpoints_of_an_earlier_release_resume():
     old["model"]["rope"].update(type="yarn", factor=4.0)
     with pytest.raises(TrainingError, match=r"model\.rope\.mscale_all_dim"):
         _check_resumed_config(yaml.safe_dump(old), yarn)
+
+
+def test_resume_refuses_another_tokenizer_and_names_changed_data(tmp_path):
+    """Files added to the data folder re-prepare it under a new fingerprint, and with
+    data.tokenizer=train a new BPE: every id would mean another token. The resume refuses
+    that; a changed prepared data (same tokenizer) or sequence count is a warning; the
+    loader-only settings (num_proc) are not reported as a data change."""
+    import types
+
+    import yaml
+    from tokenizers import Tokenizer, models
+
+    from llmtrain.config import load_config
+    from llmtrain.train.loop import TrainingError, _check_resumed_config, _check_resumed_data
+
+    from .conftest import ROOT
+
+    def tok(vocab, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Tokenizer(models.WordLevel(vocab, unk_token="a")).save(str(path))
+        return path
+
+    ck = tmp_path / "ck"
+    tok({"a": 0, "b": 1, "c": 2}, ck / "tokenizer.json")
+    state = {"data": {"id": "0123456789abcdef", "train_sequences": 100}}
+    same = types.SimpleNamespace(tokenizer_file=tok({"a": 0, "b": 1, "c": 2}, tmp_path / "d1" /
+                                 "tokenizer.json"), data_id="0123456789abcdef",
+                                 train_ds=types.SimpleNamespace(n_seq=100))  # fmt: skip
+    assert _check_resumed_data(ck, state, same) == []
+    other = types.SimpleNamespace(**{**vars(same), "tokenizer_file": tok({"a": 0, "c": 1, "b": 2},
+                                  tmp_path / "d2" / "tokenizer.json")})  # fmt: skip
+    with pytest.raises(TrainingError, match="2 of 3 tokens have other ids"):
+        _check_resumed_data(ck, state, other)
+    moved = types.SimpleNamespace(**{**vars(same), "data_id": "fedcba9876543210",
+                                     "train_ds": types.SimpleNamespace(n_seq=120)})  # fmt: skip
+    warn = _check_resumed_data(ck, state, moved)
+    assert len(warn) == 2 and "its files changed" in warn[0] and "120 sequences" in warn[1]
+    cfg = load_config(ROOT / "configs" / "debug.yaml")
+    old = cfg.to_dict()
+    old["data"]["num_proc"] = 7
+    assert _check_resumed_config(yaml.safe_dump(old), cfg) == []
 
 
 def test_sample_stream_positions():

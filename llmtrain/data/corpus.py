@@ -105,7 +105,8 @@ def source_files(spec: str) -> list[Path]:
     if not path.exists():
         raise DataError(f"data path {path} does not exist (data.sources)")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(path).parts))  # .cache/, .git/ ...  # fmt: skip
         if not files:
             raise DataError(f"data directory {path} holds no files")
         return files
@@ -121,15 +122,38 @@ def iter_items(
             for item in _iter_hf(src.spec[3:], text_field, streaming):
                 yield from [item] * copies(item[0], src.weight)
             continue
-        root = Path(sysconfig.get_paths()["stdlib"]) if src.spec == BUILTIN_STDLIB else None
+        root = source_root(src.spec)
         for f in source_files(src.spec):
-            key0 = str(f.relative_to(root)) if root else str(f)
+            name = stable_name(f, root)
             if _kind(f) == "text":  # one document per file: repeat the whole (streamed) file
-                for _ in range(copies(key0, src.weight)):
-                    yield from _iter_text_file(f, key0)
+                for _ in range(copies(name, src.weight)):
+                    yield from _iter_text_file(f, name)
                 continue
-            for item in _iter_file(f, text_field):
+            for item in _iter_file(f, text_field, name):
                 yield from [item] * copies(item[0], src.weight)
+
+
+def source_root(spec: str) -> Path:
+    """The directory a source's files are named from: the directory itself, a file's parent,
+    a glob's directory before its first wildcard, the standard library's root."""
+    if spec == BUILTIN_STDLIB:
+        return Path(sysconfig.get_paths()["stdlib"])
+    if any(c in spec for c in "*?["):
+        parts = Path(spec).parts
+        fixed = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+        return Path(*parts[:fixed]) if fixed else Path(".")
+    path = Path(spec)
+    return path if path.is_dir() else path.parent
+
+
+def stable_name(f: Path, root: Path) -> str:
+    """A file's name inside its source (POSIX). Document keys, which decide the validation
+    split and mixture copies, are made from it, so the same data reached by another path (a
+    relative or absolute spelling, a symlink, a copy staged elsewhere) splits the same way."""
+    try:
+        return f.relative_to(root).as_posix()
+    except ValueError:
+        return f.name
 
 
 def _kind(f: Path) -> str:
@@ -143,26 +167,26 @@ def _kind(f: Path) -> str:
     return "text"
 
 
-def _iter_file(f: Path, text_field: str) -> Iterator[Item]:
+def _iter_file(f: Path, text_field: str, name: str) -> Iterator[Item]:
     kind = _kind(f)
     if kind == "jsonl":
-        yield from _iter_jsonl(f)
+        yield from _iter_jsonl(f, name)
     elif kind == "parquet":
-        yield from _iter_parquet(f, text_field)
+        yield from _iter_parquet(f, text_field, name)
     else:
-        yield from _iter_arrow(f, text_field)
+        yield from _iter_arrow(f, text_field, name)
 
 
-def _iter_jsonl(f: Path) -> Iterator[Item]:
+def _iter_jsonl(f: Path, name: str) -> Iterator[Item]:
     opener = gzip.open if f.name.lower().endswith(".gz") else open
     i = -1
     try:
         with opener(f, "rb") as fh:
             for i, line in enumerate(fh):  # noqa: B007 (i is reported on a truncated file)
                 if line.strip():
-                    yield f"{f}:{i}", "json", line, True
+                    yield f"{name}:{i}", "json", line, True
     except (OSError, EOFError, zlib.error) as e:  # truncated / corrupt gzip, unreadable file
-        yield f"{f}:{i + 1}", "bad", f"{f}: unreadable after line {i + 1} ({e})", True
+        yield f"{name}:{i + 1}", "bad", f"{f}: unreadable after line {i + 1} ({e})", True
 
 
 def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
@@ -182,8 +206,9 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
             pending, raw = "", head
             while raw:
                 pending += dec.decode(raw)
-                if len(pending) >= TEXT_PIECE_CHARS:
-                    cut = pending.rfind("\n") + 1 or len(pending)
+                # no safe cut yet: read on, up to 4 pieces' worth (then any line end)
+                cut = _cut(pending, len(pending) >= 4 * TEXT_PIECE_CHARS)
+                if len(pending) >= TEXT_PIECE_CHARS and cut:
                     yield key, kind, pending[:cut], False
                     kind, pending = "more", pending[cut:]
                 raw = fh.read(TEXT_PIECE_CHARS)
@@ -196,36 +221,48 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
         yield key, "bad", f"{f} {why}", True
 
 
-def _column_batches(f: Path, text_field: str, batches) -> Iterator[Item]:
+def _cut(text: str, anyhow: bool = False) -> int:
+    """Where a piece of a large text file may end: after the last newline that a non-space
+    character follows, so no whitespace run is split (a BPE pre-tokenizer keeps "\\n    "
+    together); 0 when there is none, unless `anyhow`: then after the last newline, or all."""
+    at = len(text) - 1
+    while (at := text.rfind("\n", 0, at)) >= 0:
+        if not text[at + 1].isspace():
+            return at + 1
+    return (text.rfind("\n") + 1 or len(text)) if anyhow else 0
+
+
+def _column_batches(f: Path, text_field: str, batches, name: str) -> Iterator[Item]:
     i = 0
     for b in batches:
         if text_field not in b.schema.names:
             raise DataError(f"{f}: no column {text_field!r}; columns are {b.schema.names} "
                             "(set data.text_field)")  # fmt: skip
         for t in b.column(text_field).to_pylist():
-            yield f"{f}:{i}", "text", t, True
+            yield f"{name}:{i}", "text", t, True
             i += 1
 
 
-def _iter_parquet(f: Path, text_field: str) -> Iterator[Item]:
+def _iter_parquet(f: Path, text_field: str, name: str) -> Iterator[Item]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as e:
-        yield str(f), "bad", f"{f} is not a readable parquet file ({e})", True
+        yield name, "bad", f"{f} is not a readable parquet file ({e})", True
         return
     if text_field not in pf.schema_arrow.names:
         raise DataError(f"{f}: no column {text_field!r}; columns are {pf.schema_arrow.names} "
                         "(set data.text_field)")  # fmt: skip
     try:
-        yield from _column_batches(f, text_field, pf.iter_batches(1024, columns=[text_field]))
+        yield from _column_batches(f, text_field, pf.iter_batches(1024, columns=[text_field]),
+                                   name)  # fmt: skip
     except (pa.ArrowException, OSError) as e:
-        yield str(f), "bad", f"{f}: unreadable part ({e})", True
+        yield name, "bad", f"{f}: unreadable part ({e})", True
 
 
-def _iter_arrow(f: Path, text_field: str) -> Iterator[Item]:
+def _iter_arrow(f: Path, text_field: str, name: str) -> Iterator[Item]:
     """Arrow IPC, file or stream format (what `datasets` writes), memory-mapped."""
     import pyarrow as pa
 
@@ -238,12 +275,12 @@ def _iter_arrow(f: Path, text_field: str) -> Iterator[Item]:
             src.seek(0)
             batches = pa.ipc.open_stream(src)
     except (pa.ArrowException, OSError) as e:
-        yield str(f), "bad", f"{f} is not a readable Arrow file ({e})", True
+        yield name, "bad", f"{f} is not a readable Arrow file ({e})", True
         return
     try:
-        yield from _column_batches(f, text_field, batches)
+        yield from _column_batches(f, text_field, batches, name)
     except (pa.ArrowException, OSError) as e:
-        yield str(f), "bad", f"{f}: unreadable part ({e})", True
+        yield name, "bad", f"{f}: unreadable part ({e})", True
 
 
 def _iter_hf(spec: str, text_field: str, streaming: bool = True) -> Iterator[Item]:
@@ -271,8 +308,7 @@ def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
     if kind == "bad":
         return None, str(payload)
     if kind == "json":
-        path, _, i = key.rpartition(":")
-        where = f"{path}:{int(i) + 1}"  # keys count lines from 0, messages from 1
+        where = _where(key, kind)  # keys count lines from 0, messages from 1
         try:
             row = json.loads(payload)
         except UnicodeDecodeError:
@@ -284,16 +320,33 @@ def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
         payload = row[text_field]
     if payload is None:
         return None, None
-    text = payload if isinstance(payload, str) else str(payload)
+    if not isinstance(payload, str):  # a list, number or object is not a document's text
+        return (
+            None,
+            f"{_where(key, kind)}: {text_field!r} is not a string ({type(payload).__name__})",
+        )
+    try:
+        payload.encode("utf-8")
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate ("\ud800"): not text
+        return None, f"{_where(key, kind)}: text that is not valid Unicode (a lone surrogate)"
+    text = payload
     return (text, None) if (text.strip() or not item[3] or kind == "more") else (None, None)
 
 
+def _where(key: str, kind: str) -> str:
+    if kind == "json":
+        path, _, i = key.rpartition(":")
+        return f"{path}:{int(i) + 1}"
+    return key
+
+
 def iter_documents(
-    sources: list, text_field: str = "text", bad: list[str] | None = None
+    sources: list, text_field: str = "text", bad: list[str] | None = None, join: bool = True
 ) -> Iterator[tuple[str, str]]:
     """(key, text) of every non-empty document, in one process (tokenizer training, tests).
     Bad records are skipped and appended to `bad` (raised as DataError when `bad` is None);
-    pieces of a large text file are joined."""
+    pieces of a large text file are joined, or with `join=False` yielded one by one (~1 MiB
+    each: memory stays flat whatever the file's size)."""
     srcs = [s if isinstance(s, Source) else Source(s) for s in parse_sources(list(sources))]
     parts: list[str] = []
     for item in iter_items(srcs, text_field):
@@ -303,6 +356,10 @@ def iter_documents(
                 raise DataError(why)
             bad.append(why)
             parts.clear()
+            continue
+        if text is not None and not join:
+            if text.strip():
+                yield item[0], text
             continue
         if text is not None:
             parts.append(text)

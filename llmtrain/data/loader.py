@@ -24,12 +24,16 @@ from llmtrain.data.corpus import DataError
 class PackedDataset:
     def __init__(self, root: str | Path, split: str, seq_len: int):
         self.root = Path(root)
-        idx = json.loads((self.root / "index.json").read_text())
-        self.eos_id = idx["eos_id"]
-        self.vocab_size = idx["vocab_size"]
-        dtype = np.dtype(idx["dtype"])
-        shards = idx["splits"][split]["shards"]
-        self.maps = [np.memmap(self.root / s["file"], dtype=dtype, mode="r") for s in shards]
+        try:
+            idx = json.loads((self.root / "index.json").read_text())
+            self.eos_id = idx["eos_id"]
+            self.vocab_size = idx["vocab_size"]
+            dtype = np.dtype(idx["dtype"])
+            shards = idx["splits"][split]["shards"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{self.root}/index.json is missing or corrupt ({e!r}); delete "
+                            f"{self.root} to prepare the data again") from e  # fmt: skip
+        self.maps = [self._open(s, dtype) for s in shards]
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
         self.n_tokens = int(self.starts[-1])
         self.seq_len = seq_len
@@ -39,6 +43,23 @@ class PackedDataset:
                 f"the {split} split has {self.n_tokens} tokens, fewer than one sequence of "
                 f"{seq_len}; add data or lower train.seq_len"
             )
+
+    def _open(self, shard: dict, dtype: np.dtype) -> np.memmap:
+        """A shard, memory-mapped, after checking its size against the index: a truncated or
+        replaced shard would shift every later sample without any error."""
+        f = self.root / shard["file"]
+        want = int(shard["tokens"]) * dtype.itemsize
+        try:
+            have = f.stat().st_size
+        except OSError as e:
+            raise DataError(f"prepared shard {f} is missing ({e.strerror}); delete {self.root} "
+                            "to prepare the data again") from e  # fmt: skip
+        if have != want:
+            raise DataError(f"prepared shard {f} holds {have} bytes where its index says {want} "
+                            f"(truncated or overwritten); delete {self.root} to prepare the data again")  # fmt: skip
+        if want == 0:
+            return np.empty(0, dtype=dtype)
+        return np.memmap(f, dtype=dtype, mode="r")
 
     def _range(self, a: int, b: int) -> np.ndarray:
         out = np.empty(b - a, dtype=np.int64)

@@ -57,16 +57,16 @@ from llmtrain.data.corpus import (
     parse_sources,
     source_files,
 )
-from llmtrain.data.tokenizer import check_fits, eos_id, load_tokenizer, train_bpe
+from llmtrain.data.tokenizer import check_fits, eos_id, load_tokenizer, train_bpe, vocab_span
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: documents keyed by their path inside the source (split, mixing)
 LOCK_STALE_S = 300.0  # a lock not refreshed for this long (waiter's clock) has a dead owner
 HEARTBEAT_S = 10.0
 WAIT_LOG_S = 60.0
 # fields that do not change the prepared bytes (so they do not change the cache key)
-_NOT_IN_KEY = ("cache_dir", "doc_mask", "num_proc", "max_bad_records", "streaming")
+NOT_IN_KEY = ("cache_dir", "doc_mask", "num_proc", "max_bad_records", "streaming")
 
 
 def default_cache_root() -> Path:
@@ -74,7 +74,7 @@ def default_cache_root() -> Path:
 
 
 def _fingerprint(data_cfg, vocab_size: int) -> str:
-    cfg = {k: v for k, v in asdict(data_cfg).items() if k not in _NOT_IN_KEY}
+    cfg = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
     h = hashlib.sha256(
         json.dumps({**cfg, "vocab": vocab_size, "v": FORMAT_VERSION}, sort_keys=True).encode()
     )
@@ -291,6 +291,8 @@ def _init_worker(tok_file: str, text_field: str, val_percent: float, dtype: str)
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     tok = Tokenizer.from_file(tok_file)
+    # "<|endoftext|>" written inside a document is text, not an end of document (no fake EOS)
+    tok.encode_special_tokens = True
     _W.update(tok=tok, eos=eos_id(tok), tf=text_field, val=val_percent, dtype=np.dtype(dtype))
 
 
@@ -384,14 +386,20 @@ def _tokenizer(data_cfg, vocab_size: int, out: Path):
         budget = data_cfg.tokenizer_train_bytes
 
         def sample():
-            seen = 0
-            for key, text in iter_documents(data_cfg.sources, data_cfg.text_field, bad=[]):
-                if is_validation(key, data_cfg.val_percent):
-                    continue
-                yield text
-                seen += len(text)
-                if seen >= budget:
-                    return
+            """Each source's share of the budget by its mixture weight (not the first bytes in
+            source order), read piece by piece (no file whole), the validation split left out."""
+            srcs = parse_sources(data_cfg.sources)
+            total = sum(src.weight for src in srcs) or 1.0
+            for src in srcs:
+                share, seen = budget * src.weight / total, 0
+                for key, text in iter_documents([src.spec], data_cfg.text_field, bad=[],
+                                                join=False):  # fmt: skip
+                    if is_validation(key, data_cfg.val_percent):
+                        continue
+                    yield text
+                    seen += len(text)
+                    if seen >= share:
+                        break
 
         tok = train_bpe(sample(), vocab_size)
     else:
@@ -416,7 +424,7 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
     tok = _tokenizer(data_cfg, vocab_size, out)
     check_fits(tok, vocab_size)
     eos = eos_id(tok)
-    n_vocab = tok.get_vocab_size(with_added_tokens=True)
+    n_vocab = vocab_span(tok)
     dtype = np.dtype(np.uint16 if n_vocab <= 65536 else np.uint32)
     progress_file = out / "progress.json"
     prog = json.loads(progress_file.read_text()) if progress_file.is_file() else {}

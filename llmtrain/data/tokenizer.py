@@ -46,10 +46,17 @@ def eos_id(tok: Tokenizer) -> int:
     raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, </s>, <eos>)")
 
 
+def vocab_span(tok: Tokenizer) -> int:
+    """Largest token id + 1: what the embedding table must hold and the token dtype must reach
+    (a tokenizer's ids need not be contiguous, so its token count can be smaller)."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    return max(ids, default=-1) + 1
+
+
 def check_fits(tok: Tokenizer, model_vocab: int) -> None:
-    n = tok.get_vocab_size(with_added_tokens=True)
+    n = vocab_span(tok)
     if n > model_vocab:
         raise DataError(
-            f"the tokenizer has {n} tokens but model.vocab_size is {model_vocab}; "
-            f"set model.vocab_size >= {n} or use a smaller tokenizer"
+            f"the tokenizer's ids reach {n - 1} (model.vocab_size {model_vocab} holds ids up to "
+            f"{model_vocab - 1}); set model.vocab_size >= {n} or use a smaller tokenizer"
         )

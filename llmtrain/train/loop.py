@@ -16,14 +16,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
 from llmtrain.accounting import count
 from llmtrain.config import Config
 from llmtrain.data.corpus import DataError
-from llmtrain.data.loader import PackedDataset, batches_for_step
-from llmtrain.data.prepare import prepare_data
+from llmtrain.data.loader import PackedDataset, batches_for_step, permute
+from llmtrain.data.prepare import NOT_IN_KEY, prepare_data
 from llmtrain.errors import LlmtrainError
 from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
@@ -37,6 +38,7 @@ from llmtrain.train.schedule import lr_at
 from llmtrain.train.signals import StopOnSignal
 
 logger = logging.getLogger(__name__)
+VAL_SEED = 0x5EED  # the validation sample: one for every run
 
 
 class TrainingError(LlmtrainError, RuntimeError):
@@ -103,8 +105,9 @@ def _check_resumed_config(saved_yaml: str, cfg: Config, state: dict | None = Non
         if k in old_t and old_t[k] != t[k]:
             warn.append(f"train.{k} changes from {old_t[k]} to {t[k]}: the data order is another "
                         "one from here on, so sequences may repeat or be skipped")  # fmt: skip
-    if "data" in saved and saved["data"] != now["data"]:
-        keys = sorted(k for k in now["data"] if saved["data"].get(k) != now["data"][k])
+    keys = sorted(k for k in now["data"] if k not in NOT_IN_KEY and "data" in saved
+                  and saved["data"].get(k) != now["data"][k])  # fmt: skip
+    if keys:  # (cache_dir, num_proc, ... do not change the prepared tokens)
         warn.append(f"data.{', data.'.join(keys)} changed: training continues at the same sample "
                     "position of the new data")  # fmt: skip
     step = int((state or {}).get("step", 0))
@@ -182,6 +185,7 @@ class _Run:
     train_ds: PackedDataset
     val_ds: PackedDataset
     tokenizer_file: Path
+    data_id: str = ""  # the prepared data's directory name (its fingerprint)
     model: Any = None
     engine: Any = None
     checkpointer: Checkpointer | None = None
@@ -209,7 +213,8 @@ def _train(
         logger.warning("resume=auto: no checkpoint in %s yet; starting at step 0", run_dir)
     if ck_dir is not None:
         state = json.loads((ck_dir / "state.json").read_text())
-        for w in _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg, state):
+        warnings = _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg, state)
+        for w in warnings + _check_resumed_data(ck_dir, state, run):
             if rank == 0:
                 logger.warning("resuming %s: %s", ck_dir.name, w)
     _build(run, Engine, make_dispatcher, init_from=t.init_from if ck_dir is None else None)
@@ -290,6 +295,39 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
     return final, last_saved
 
 
+def _vocab(tokenizer_file: Path) -> dict[str, int] | None:
+    if not tokenizer_file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+
+
+def _check_resumed_data(ck_dir: Path, state: dict, run: _Run) -> list[str]:
+    """Refuse a resume whose data has another tokenizer than the checkpoint's (every id would
+    mean another token); warn when the prepared data itself changed (files added or edited
+    under the same config: a new tokenizer may be trained, the sample order changes)."""
+    saved, now = _vocab(ck_dir / "tokenizer.json"), _vocab(run.tokenizer_file)
+    if saved is not None and now is not None and saved != now:
+        moved = sum(1 for k, v in now.items() if saved.get(k) != v)
+        raise TrainingError(
+            f"the data's tokenizer ({run.tokenizer_file}) is not the one {ck_dir.name} was "
+            f"trained with ({moved} of {len(now)} tokens have other ids; the data was prepared "
+            "again, e.g. after its files changed, and a new tokenizer trained): set "
+            f"data.tokenizer={ck_dir / 'tokenizer.json'} to keep the run's tokenizer, or start "
+            "a new run directory"
+        )
+    data = state.get("data") or {}
+    warn = []
+    if data.get("id") not in (None, run.data_id):
+        warn.append(f"the prepared data is another one ({data['id']} -> {run.data_id}: its files "
+                    "changed): training continues at the same sample position of the new data")  # fmt: skip
+    if data.get("train_sequences") not in (None, run.train_ds.n_seq):
+        warn.append(f"the training split holds {run.train_ds.n_seq} sequences, "
+                    f"{data['train_sequences']} when saved: the sample order is another one")  # fmt: skip
+    return warn
+
+
 def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
     t = cfg.train
     data_dir = prepare_data(cfg.data, cfg.model.vocab_size, local_rank=local_rank)
@@ -306,7 +344,7 @@ def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
             f"global batch ({layout.global_batch}); add data or lower train.global_batch_size"
         )
     return _Run(cfg, run_dir, layout, rank, world, device, train_ds, val_ds,
-                data_dir / "tokenizer.json")  # fmt: skip
+                data_dir / "tokenizer.json", data_id=data_dir.name)  # fmt: skip
 
 
 def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
@@ -458,6 +496,7 @@ def _save(run: _Run, done: int, record: dict, flops_per_token: float, config_yam
         "flops": done * layout.tokens_per_step * flops_per_token + run.flops_base,
         "loss": record["loss"],
         "val_loss": record.get("val_loss"),
+        "data": {"id": run.data_id, "train_sequences": run.train_ds.n_seq},
     }
     asynchronous = run.cfg.train.async_save
     try:
@@ -538,15 +577,18 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
 
 @torch.no_grad()
 def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) -> float:
-    """Mean validation loss over the first `n_batches` global batches of the validation split:
-    the same sequences at every step and at any world size. Ranks take consecutive shares of
-    ceil(n / world) sequences; the last shares are short (or empty), and a rank with nothing
-    left in a round runs a weight-0 forward so every rank joins the same collectives."""
+    """Mean validation loss over `n_batches` global batches of validation sequences drawn by a
+    fixed permutation of the whole split (its first sequences would be its first files only):
+    the same sequences at every step, for every seed and at any world size. Ranks take
+    consecutive shares of ceil(n / world) sequences; the last shares are short (or empty), and
+    a rank with nothing left in a round runs a weight-0 forward so every rank joins the same
+    collectives."""
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     n = min(ds.n_seq, n_batches * layout.global_batch)
     per = -(-n // world)
-    mine = list(range(rank * per, min((rank + 1) * per, n)))
+    order = permute(np.arange(n), ds.n_seq, seed=VAL_SEED, epoch=0)
+    mine = order[rank * per : min((rank + 1) * per, n)].tolist()
     for i in range(0, per, layout.micro_batch):
         idx = mine[i : i + layout.micro_batch]
         x, y = ds.batch(idx or [0])
