@@ -613,26 +613,17 @@ def from_pretrained(
         )
     if mtp:
         cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
-    model = build_model(cfg, device="meta")
-    sd = state_dict_from_hf(read_safetensors_dir(path), cfg)
-    model = model.to_empty(device=device)
+    # allocated once, in `dtype` (routers fp32), and filled one weight at a time from the files
+    # (safetensors slices): about 1x the model at peak, not the model plus the files read whole
+    model = build_model(cfg, device="meta", dtype=dtype).to_empty(device=device)
     model.tie_weights()
-    model.init_weights()  # buffers (rope) and anything a V2 checkpoint lacks (the zero bias)
+    model.init_weights()  # buffers (rope), and the zero router bias a V2 checkpoint lacks
     try:
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:  # shape mismatches
+        load_hf_into(model, path, cfg)
+    except ValueError as e:  # missing, extra or mis-shaped weights
         raise WeightsMismatchError(
             f"the weights in {path} do not fit its config.json: {' '.join(str(e).split())[:300]}"
         ) from e
-    missing = [k for k in missing if not k.endswith("e_score_correction_bias")]
-    if cfg.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise WeightsMismatchError(
-            f"checkpoint {path} does not match its config: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
-        )
-    model.to(device=device, dtype=dtype)
     for m in model.moe_layers():
         m.gate.float()
     return model.eval()
