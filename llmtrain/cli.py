@@ -290,15 +290,19 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(
                 "give a checkpoint or run directory and --out DIR (or --push-only DIR)"
             )
-        out = export(args.checkpoint, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
+        from llmtrain.export import resolve_checkpoint
+
+        # resolved once: a trainer saving meanwhile moves `latest`, and verify must compare the
+        # export with the checkpoint it was made from
+        ck = resolve_checkpoint(args.checkpoint)
+        out = export(ck, args.out, dtype=args.dtype, shard_size=args.shard_size, mtp=not args.drop_mtp,
                      overwrite=args.overwrite, law=args.law, license=args.license)  # fmt: skip
         print(f"exported to {out}")
         if args.verify is None:  # default: verify when both models fit in memory comfortably
             from llmtrain.accounting import count
             from llmtrain.config import load_config as _load
-            from llmtrain.export import resolve_checkpoint
 
-            n = count(_load(resolve_checkpoint(args.checkpoint) / "config.yaml").model).total_params
+            n = count(_load(ck / "config.yaml").model).total_params
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             args.verify = 3 * 4 * n < ram  # ours + transformers' copy in fp32, with headroom
             if not args.verify:
@@ -308,7 +312,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.verify:
             from llmtrain.export.verify import verify
 
-            v = verify(out, args.checkpoint)
+            v = verify(out, ck)
             print(f"verify with stock transformers: max |logit diff| {v['max_abs_logit_diff']:.2e} "
                   f"(bound {v['bound']:.0e}), greedy generate equal: {v['generate_equal']}")  # fmt: skip
             if not v["ok"]:

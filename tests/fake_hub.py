@@ -167,6 +167,8 @@ class FakeHub:
                         v = item["value"]
                         if item["key"] == "file":
                             branch[v["path"]] = (base64.b64decode(v["content"]), None)
+                        elif item["key"] == "deletedFile":
+                            branch.pop(v["path"], None)
                         elif item["key"] == "lfsFile":
                             if v["oid"] not in hub.lfs:
                                 return self._err(422, f"LFS object {v['oid']} was never uploaded")
@@ -182,7 +184,9 @@ class FakeHub:
                     files = (
                         None
                         if repo is None
-                        else (repo["branches"].get(m.group(2)) or hub.snapshots.get(m.group(2)))
+                        else repo["branches"][m.group(2)]  # an empty branch lists no files
+                        if m.group(2) in repo["branches"]
+                        else hub.snapshots.get(m.group(2))
                     )
                     if files is None:
                         return self._err(404, "Revision not found", "RevisionNotFound")
@@ -203,8 +207,9 @@ class FakeHub:
                     repo = hub.repos.get(m.group(1))
                     if repo is None or (repo["private"] and not self._authed()):
                         return self._err(401, "Repository not found", "RepoNotFound")
-                    files = repo["branches"].get(m.group(2) or "main") or hub.snapshots.get(
-                        m.group(2) or ""
+                    rev = m.group(2) or "main"
+                    files = (
+                        repo["branches"][rev] if rev in repo["branches"] else hub.snapshots.get(rev)
                     )
                     if files is None:
                         return self._err(404, "Revision not found", "RevisionNotFound")

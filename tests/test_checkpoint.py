@@ -402,3 +402,15 @@ def test_fault_points_parse(monkeypatch):
     assert len(killed) == 2
     assert set(checkpointing.FAULT_POINTS) >= {"write", "latest"}
     assert ROOT.is_dir()
+
+
+def test_a_killed_save_is_not_a_checkpoint(tmp_path):
+    """`step_N.tmp` is a save the trainer never completed, even where its state.json was
+    written: export and eval refuse it as the trainer and the watcher do."""
+    from llmtrain.checkpoint.format import resolve_checkpoint
+
+    ck = tmp_path / "checkpoints" / "step_00000010.tmp"
+    ck.mkdir(parents=True)
+    (ck / "state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="incomplete save"):
+        resolve_checkpoint(ck)

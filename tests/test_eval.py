@@ -384,7 +384,9 @@ def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, cap
     def fake_eval(ck, tasks, **kw):
         name = ck.name[:13]
         seen.append(name)
-        assert ck.parent.name == ".eval_watch"  # a hard-linked snapshot, not the checkpoint
+        # a hard-linked snapshot, not the checkpoint, in this results file's own folder (a
+        # second watcher writing another --out keeps, and cleans, its own)
+        assert ck.parent.parent.name == ".eval_watch"
         if name == "step_00000002":  # the trainer's prune, mid-evaluation
             shutil.rmtree(ckdir / name)
             raise FileNotFoundError(ck / "model.safetensors")
@@ -400,7 +402,8 @@ def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, cap
     # the rest up to the run's last step (max_steps 6), not the .tmp save of step 8
     res = w.watch(run, ["t"], poll=0)
     assert [r["step"] for r in res.rows] == [6] and res.finished
-    assert res.rows[0]["eval/t/acc"] == 6.0 and not list((run / ".eval_watch").iterdir())
+    assert res.rows[0]["eval/t/acc"] == 6.0 and not list((run / ".eval_watch").glob("*/*"))
+    assert w._work_dir(run, run / "a.jsonl") != w._work_dir(run, run / "b.jsonl")
     # a resumed run saves step 6 again with other weights: scored again; a cut-short row is
     # skipped on reading
     (ckdir / "step_00000006" / "state.json").write_text(json.dumps({"step": 6, "loss": 0.5}))

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,6 +323,17 @@ def test_push_to_local_hub_and_load_back(ep_run, tmp_path):
             == 0
         )
         assert hub.repos["org/priv"]["private"] and not hub.repos["org/tiny"]["private"]
+        # --private on an existing public repo: refused before anything is uploaded
+        n_commits = len(hub.commits)
+        p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny", "--private"], env)
+        assert p.returncode == 2 and "exists and is public" in p.stderr, p.stderr[-2000:]
+        assert len(hub.commits) == n_commits
+        # a later export in one file replaces the earlier shards (transformers would pick either)
+        one = export(ep_run, tmp_path / "hf_one", dtype="fp32")
+        assert _push(["--push-only", str(one), "--push-to-hub", "org/one"], env).returncode == 0
+        assert _push(["--push-only", str(out), "--push-to-hub", "org/one"], env).returncode == 0
+        weights = sorted(f for f in hub.repos["org/one"]["branches"]["main"] if "safetensors" in f)
+        assert weights == sorted(p.name for p in out.iterdir() if "safetensors" in p.name), weights
         p = _push(["--push-only", str(out), "--push-to-hub", "org/tiny", "--revision", "v1"], env)
         assert p.returncode == 0 and "v1" in hub.repos["org/tiny"]["branches"]
         got, _ = hf_logits_fresh_process(tmp_path / "dl" / "x", repo="org/tiny", env_extra={
@@ -329,3 +341,22 @@ def test_push_to_local_hub_and_load_back(ep_run, tmp_path):
     with torch.no_grad():
         want = llmtrain.from_pretrained(ep_run)(IDS).logits
     assert (got - want).abs().max() < 1e-4
+
+
+def test_overwrite_never_deletes_a_run_or_other_files(ep_run, tmp_path):
+    """`--overwrite` replaces an earlier export only: --out naming the run itself (or any run or
+    checkpoint, or a folder that is not an export) is refused before anything is touched."""
+    before = sorted(p.name for p in Path(ep_run).iterdir())
+    for out in (ep_run, Path(ep_run) / "checkpoints"):
+        with pytest.raises(ExportError, match="holds a run or checkpoint"):
+            export(ep_run, out, dtype="fp32", overwrite=True)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an earlier export"):
+        export(ep_run, other, dtype="fp32", overwrite=True)
+    assert (other / "todo.txt").is_file() and sorted(
+        p.name for p in Path(ep_run).iterdir()
+    ) == before
+    out = export(ep_run, tmp_path / "hf", dtype="fp32")
+    assert export(ep_run, out, dtype="bf16", overwrite=True) == out  # an export: replaced

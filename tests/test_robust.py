@@ -566,7 +566,11 @@ def test_softmax_gating_with_bias_updates_is_refused_at_config_time():
 
 
 def test_export_keeps_the_users_special_tokens(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """The user's tokenizer keeps its vocabulary; EOS is its end-of-text token, and BOS is the
+    same token: training put no BOS before documents (EOS separates them), so lm-eval's HFLM
+    (which prefixes requests with the BOS) and `tokenizer(text)` (a Llama-style post-processor
+    adds <s>) would otherwise feed the model what it never saw. transformers 4.x can load it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import AutoTokenizer
 
     from llmtrain.export import write_tokenizer
@@ -576,16 +580,22 @@ def test_export_keeps_the_users_special_tokens(tmp_path):
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     f = tmp_path / "tokenizer.json"
     tok.save(str(f))
     n = tok.get_vocab_size(with_added_tokens=True)
     ids = write_tokenizer(f, tmp_path / "out")
-    assert ids["eos_token_id"] == tok.token_to_id("</s>")
-    assert ids["bos_token_id"] == tok.token_to_id("<s>")
+    assert ids["eos_token_id"] == tok.token_to_id("</s>") == ids["bos_token_id"]
     assert ids["pad_token_id"] is None
     back = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert len(back) == n  # no token was added past the vocabulary
-    assert back.eos_token == "</s>" and back.bos_token == "<s>"
+    assert back.eos_token == "</s>" and back.bos_token == "</s>"
+    text = "def f(x): return x"
+    assert back(text)["input_ids"] == tok.encode(text, add_special_tokens=False).ids
+    cfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 def _hf_dir_without_mtp(path):

@@ -772,6 +772,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
     p = Path(path)
+    if p.name.endswith(".tmp"):  # a save killed midway (state.json may already be there)
+        raise CheckpointError(f"{p} is an incomplete save (the trainer never completed it); give "
+                              "a complete checkpoint (RUN/checkpoints/step_*) or the run directory")  # fmt: skip
     if (p / "state.json").is_file():
         return p
     if (p / "checkpoints").is_dir():

@@ -123,7 +123,8 @@ def flat_metrics(res: dict, prefix: str = "eval/") -> dict[str, float]:
     for task, metrics in res["results"].items():
         for key, v in metrics.items():
             name = key.split(",")[0]  # "acc,none" -> "acc"
-            if name == "alias" or "stderr" in name or isinstance(v, bool):
+            # sample_len: how many documents were scored, not a metric
+            if name in ("alias", "sample_len") or "stderr" in name or isinstance(v, bool):
                 continue
             if isinstance(v, (int, float)) and math.isfinite(v):
                 out[f"{prefix}{task}/{name}"] = float(v)

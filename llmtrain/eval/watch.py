@@ -167,7 +167,9 @@ def watch(
         while True:
             if lock is None and run.is_dir():  # one watcher per results file
                 lock = _lock(results)
-                shutil.rmtree(run / ".eval_watch", ignore_errors=True)  # a killed one's snapshots
+                # a killed watcher's snapshots of this results file (another watcher, with its
+                # own --out, keeps its own folder)
+                shutil.rmtree(_work_dir(run, results), ignore_errors=True)
                 done = {(r["step"], r.get("checkpoint_id", "")) for r in _read_rows(results)
                         if {k: r.get(k) for k in key} == key}  # fmt: skip
             steps = complete_checkpoints(run)
@@ -185,7 +187,8 @@ def watch(
                 if (s, ident) not in done:
                     todo.append((s, d, ident))
             for step, ck, ident in todo:
-                row = _score(run, step, ck, ident, key, tasks, eval_kwargs)
+                row = _score(run, step, ck, ident, key, tasks, eval_kwargs,
+                             _work_dir(run, results))  # fmt: skip
                 done.add((step, ident))
                 if row is None:
                     continue
@@ -212,11 +215,17 @@ def watch(
             lock.close()
 
 
-def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kwargs):
-    """One checkpoint's row, evaluated on a hard-linked snapshot (None: it was deleted or saved
-    again first)."""
-    work = run / ".eval_watch"
-    work.mkdir(exist_ok=True)
+def _work_dir(run: Path, results: Path) -> Path:
+    """Where the watcher writing `results` keeps its snapshots: one folder per results file."""
+    tag = hashlib.sha256(str(Path(results).resolve()).encode()).hexdigest()[:12]
+    return run / ".eval_watch" / tag
+
+
+def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kwargs,
+           work: Path):  # fmt: skip
+    """One checkpoint's row, evaluated on a hard-linked snapshot in `work` (None: it was deleted
+    or saved again first)."""
+    work.mkdir(parents=True, exist_ok=True)
     snap = _snapshot(ck, work)
     try:
         if snap is not None and (snap / "state.json").is_file() and _identity(snap) == ident:

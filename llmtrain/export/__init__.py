@@ -3,8 +3,8 @@ stock transformers, and pushed to the Hub.
 
 Input is one of our checkpoints (whatever ZeRO stage and expert-parallel layout wrote it: the
 sharded format places every rank's pieces in the full tensors, read here through
-llmtrain.checkpoint without a process group), a run directory (its latest checkpoint), or a
-Hugging Face directory (re-export)."""
+llmtrain.checkpoint without a process group), or a run directory (its latest checkpoint). A
+Hugging Face directory is imported first (`llmtrain.from_pretrained` + `save_consolidated`)."""
 
 from __future__ import annotations
 
@@ -153,15 +153,17 @@ def hf_tensors(
                 yield f"model.layers.{mc.num_layers + k}.{what}", t.to(dtype).clone()
 
 
-# special tokens looked up by name in the run's own tokenizer, first match wins (ours first)
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<｜begin▁of▁sentence｜>", "[CLS]")
+# PAD looked up by name in the run's own tokenizer, first match wins (ours first)
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
 def special_tokens(tok) -> dict[str, str | None]:
     """eos / bos / pad taken from the tokenizer itself, never invented: a name the vocabulary
     lacks would make transformers add a token with an id past the model's embedding table.
-    EOS is the one the data pipeline used; BOS falls back to it (GPT-style); PAD may be None."""
+    EOS is the one the data pipeline used. BOS is EOS too: training put no BOS token before
+    documents (EOS separates them), so a `<s>` the tokenizer may hold was never seen and
+    lm-eval's HFLM, which prefixes every request with the BOS, would score another model
+    input than the trainer's evals (GPT-style). PAD may be None."""
     from llmtrain.data.tokenizer import EOS, eos_id
 
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -173,7 +175,7 @@ def special_tokens(tok) -> dict[str, str | None]:
         eos = tok.id_to_token(eos_id(tok))
     except Exception:  # a tokenizer without an end-of-text token: export it without one
         eos = EOS if EOS in vocab else None
-    return {"eos_token": eos, "bos_token": first(BOS_NAMES) or eos, "pad_token": first(PAD_NAMES)}
+    return {"eos_token": eos, "bos_token": eos, "pad_token": first(PAD_NAMES)}
 
 
 def write_tokenizer(tok_file: Path | None, out: Path) -> dict:
@@ -186,10 +188,20 @@ def write_tokenizer(tok_file: Path | None, out: Path) -> dict:
     raw = Tokenizer.from_file(str(tok_file))
     n = raw.get_vocab_size(with_added_tokens=True)
     specials = {k: v for k, v in special_tokens(raw).items() if v is not None}
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_file), **specials)
+    probe = "a b"
+    if raw.encode(probe).ids != raw.encode(probe, add_special_tokens=False).ids:
+        # a post-processor that adds BOS/EOS (Llama-style): training encoded without it, so
+        # the export must too, or `tokenizer(text)` feeds the model tokens it never saw
+        raw.post_processor = None
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, **specials)
     if len(tok) != n:  # never: every special token above was found in the vocabulary
         raise ExportError(f"the tokenizer grew from {n} to {len(tok)} tokens on export")
     tok.save_pretrained(out)
+    cfg_file = out / "tokenizer_config.json"
+    if cfg_file.is_file():  # transformers 5 names its own backend class, which 4.x lacks
+        tok_cfg = json.loads(cfg_file.read_text())
+        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg_file.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
     return {
         "eos_token_id": tok.eos_token_id,
         "bos_token_id": tok.bos_token_id,
@@ -234,8 +246,16 @@ def export(
         raise ExportError(f"--out {out} is a file; give a directory path for the export")
     ensure_dir(out.parent, "the parent of --out")  # before any work: a parent may be a file
     if out.exists() and any(out.iterdir()):
+        src_dir = src.dir.resolve()
+        if (out.resolve() in (src_dir, *src_dir.parents) or (out / "checkpoints").exists()
+                or (out / "state.json").exists() or (out / ".metadata").exists()):  # fmt: skip
+            raise ExportError(f"--out {out} holds a run or checkpoint (the source, or another): "
+                              "--overwrite would delete it; give another --out")  # fmt: skip
         if not overwrite:
             raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
+        if not (out / "config.json").is_file():
+            raise ExportError(f"--out {out} is not an earlier export (no config.json): "
+                              "--overwrite replaces exports only; give another --out")  # fmt: skip
     hf_cfg = hf_config_from_model(mc, mtp=mtp)  # raises for configs transformers cannot express
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)

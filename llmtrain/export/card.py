@@ -69,9 +69,10 @@ def model_card(
         if mtp:
             lines += ["## Multi-token prediction", "",
                       f"The {mc.mtp_depth} MTP module(s) are written as DeepSeek-V3 ships them, at layer index "
-                      f"{mc.num_layers} and up (with copies of the embedding and head). Stock transformers loads "
-                      "MTP weights only at DeepSeek-V3's fixed index 61 and reports them as unused keys otherwise; "
-                      "the main model is unaffected.", ""]  # fmt: skip
+                      f"{mc.num_layers} and up (with copies of the embedding and head), fed the main model's "
+                      "state after its final norm, as engines that draft with them expect (vLLM, SGLang). "
+                      "Stock transformers does not run MTP and leaves these weights unused; the main model is "
+                      "unaffected.", ""]  # fmt: skip
         else:
             lines += ["## Multi-token prediction", "",
                       "The MTP modules were dropped at export (`--drop-mtp`): stock transformers cannot use them "

@@ -37,7 +37,13 @@ def push(folder: str | Path, repo_id: str, private: bool = False, revision: str 
     retry = f"the export in {folder} is untouched; retry with `llmtrain export --push-only {folder} --push-to-hub {repo_id}`"
     try:
         user = api.whoami()
-        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        # private=None leaves an existing repo, or an organisation's default, as it is
+        url = api.create_repo(repo_id, private=True if private else None, exist_ok=True,
+                              repo_type="model")  # fmt: skip
+        if private and not api.repo_info(repo_id).private:
+            raise HubError(f"{repo_id} exists and is public: --private cannot make it private, "
+                           "so nothing was pushed; make it private on the Hub, or push without "
+                           "--private")  # fmt: skip
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         api.upload_folder(
@@ -45,6 +51,9 @@ def push(folder: str | Path, repo_id: str, private: bool = False, revision: str 
             folder_path=str(folder),
             revision=revision,
             commit_message=commit_message or f"Upload {folder.name} with llmtrain",
+            # an earlier push's weights (one file then, shards now, or the reverse) would stay
+            # beside the new ones, and transformers may load the old ones
+            delete_patterns=["*.safetensors", "*.safetensors.index.json"],
         )
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", "?")
