@@ -141,3 +141,23 @@ def test_z_loss_and_no_aux_in_eval():
     assert m(x)[1] > 0
     m.eval()
     assert m(x)[1] == 0
+
+
+def test_load_counts_once_under_activation_checkpointing(debug_cfg):
+    """The recompute in backward runs each checkpointed block's forward again: the routed-token
+    counts behind the bias update (and their 2**24 exact-count headroom) count once."""
+    import dataclasses
+
+    from llmtrain.model import build_model
+
+    cfg = dataclasses.replace(debug_cfg.model, mtp_depth=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for ckpt in (False, True):
+        m = build_model(cfg, seed=0)
+        m.train()
+        m.gradient_checkpointing = ckpt
+        m(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+        got[ckpt] = [int(x.load_since_update.sum()) for x in m.moe_layers()]
+    k = cfg.num_experts_per_tok
+    assert got[False] == got[True] == [2 * 32 * k] * (len(got[True]) - 1) + [2 * 31 * k]

@@ -213,6 +213,9 @@ class MoE(nn.Module):
         self.register_buffer(
             "load_since_update", torch.zeros(e, dtype=torch.float32), persistent=False
         )
+        # a Transformer adds `last_counts` itself after each block's forward (`count_loads`):
+        # activation checkpointing runs the forward again in backward, which must not count twice
+        self.counts_in_forward = True
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [B, T, D], auxiliary loss scalar: seq-wise balance + z-loss)."""
@@ -248,7 +251,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             c = counts_E.to(self.last_counts.dtype)
             self.last_counts.copy_(c)
-            if self.training:
+            if self.training and self.counts_in_forward:
                 self.load_since_update.add_(c)
 
         aux = x_BTD.new_zeros((), dtype=torch.float32)

@@ -132,6 +132,17 @@ class Transformer(nn.Module):
             [MTPModule(cfg, cfg.num_layers + k, dispatcher) for k in range(cfg.mtp_depth)]
         )
         self.gradient_checkpointing = False
+        for m in self.moe_layers():  # counted here, once per forward (see `count_loads`)
+            m.counts_in_forward = False
+
+    @torch.no_grad()
+    def count_loads(self, block: nn.Module) -> None:
+        """Add a block's routed-token counts of the forward just run to `load_since_update`.
+        Done outside the (possibly checkpointed, possibly compiled) block, so the recompute in
+        backward does not count the tokens again and no flag enters a compiled graph."""
+        mlp = getattr(block, "mlp", None)
+        if self.training and isinstance(mlp, MoE):
+            mlp.load_since_update.add_(mlp.last_counts)
 
     # ------------------------------------------------------------ init
 
@@ -255,6 +266,7 @@ class Transformer(nn.Module):
                 )
             else:
                 x_BTD, a = layer(x_BTD, cos, sin, cache, attention_mask)
+            self.count_loads(layer)
             aux = aux + a
         h_BTD = self.model.norm(x_BTD)
         if return_logits is None:
@@ -294,6 +306,7 @@ class Transformer(nn.Module):
             if isinstance(m, DocumentMask):
                 m.prepare(document_backend(self.cfg.attn_backend, h_BTD))
             x_BTD, a = mod(h_BTD[:, :n], emb, cos[:, :n], sin[:, :n], m)
+            self.count_loads(mod.block)
             aux = aux + a
             h_BTD = mod.norm(x_BTD)
             losses.append(self.lm_head(h_BTD, labels[:, k:]))
