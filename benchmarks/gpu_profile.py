@@ -138,7 +138,7 @@ def main() -> None:
         f"config {Path(args.config).name} ({'compiled' if args.compile else 'eager'}): "
         f"{tokens} tokens/micro-batch, fwd+bwd {dt * 1e3:.1f} ms, "
         f"{tokens / dt:,.0f} tokens/s, {flops / dt / 1e12:.0f} TFLOP/s "
-        f"({flops / dt / 989e12:.1%} of 989), GPU busy {gpu_us / 1e6 / dt:.0%} of the step, "
+        f"({flops / dt / PEAK_BF16:.1%} of {PEAK_TF}), GPU busy {gpu_us / 1e6 / dt:.0%} of the step, "
         f"peak memory {peak_gib:.1f} GiB",
         f"CUDA memory outside torch's allocator (context, kernels, workspaces): {runtime}",
         f"GPU kernel time per fwd+bwd by kind: {by_kind or 'n/a (no CUDA kernels)'}",
@@ -193,7 +193,19 @@ def _write(args, text: str, kind: str) -> None:
         Path(out).write_text(text + "\n")
 
 
-PEAK_BF16 = 989e12  # dense bf16 datasheet peak of an H100/H200 SXM (what MFU is against)
+def _device_peak() -> float:
+    """The dense bf16 datasheet peak MFU is taken against: the GPU's own from the trainer's
+    table (an H100/H200 SXM: 989 TFLOP/s; PCIe and NVL parts less), else an H100 SXM's."""
+    import torch
+
+    from llmtrain.train.metrics import gpu_peak
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return gpu_peak(name, "bf16") or 989e12
+
+
+PEAK_BF16 = _device_peak()
+PEAK_TF = f"{PEAK_BF16 / 1e12:.0f}"
 
 
 def _bench(fn, sync, min_s: float = 0.005) -> float:
@@ -228,7 +240,7 @@ def ceiling_rows(dev: str, sync):
     n = 1024 if dev == "cpu" else 8192
     rate = measure_matmul_ceiling(torch.device(dev), dt, n=n)
     name = f"matmul {n}^3 {str(dt).split('.')[-1]}"
-    yield f"{name:<42} {2 * n**3 / rate * 1e3:>8.2f} {rate / 1e12:>8.1f} TFLOP/s ({rate / PEAK_BF16:.0%} of 989)"
+    yield f"{name:<42} {2 * n**3 / rate * 1e3:>8.2f} {rate / 1e12:>8.1f} TFLOP/s ({rate / PEAK_BF16:.0%} of {PEAK_TF})"
     src = torch.randn(1 << (22 if dev == "cpu" else 29), device=dev, dtype=dt)
     dst = torch.empty_like(src)
     s = _bench(lambda: dst.copy_(src), sync)
@@ -342,7 +354,7 @@ def kernel_tables(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
             yield (f"bound: matmuls {mm_s * 1e3:.1f} ms + attention {blocks} x {at_s * 1e3:.2f} ms "
                    f"= {floor * 1e3:.1f} ms per micro-batch with every other kernel free: "
                    f"<= {tokens / floor:,.0f} tokens/s, MFU <= {100 * flops / floor / PEAK_BF16:.3g}% "
-                   f"of 989 TFLOP/s (matmuls alone {totals['matmul_flops'] / mm_s / 1e12:.0f} "
+                   f"of {PEAK_TF} TFLOP/s (matmuls alone {totals['matmul_flops'] / mm_s / 1e12:.0f} "
                    f"TFLOP/s)")  # fmt: skip
 
 

@@ -531,12 +531,18 @@ def memory_per_rank(
             # `reduce_gradients` copies every gradient into the reduce bucket and flattens one
             # destination rank's slice at a time (measured: 2 ranks, EP 1, within 3%)
             out["gradients"] = w * (held + s.part)
+            if w < 4:
+                # bf16 at stage 1 runs DeepSpeed's BF16_Optimizer (grad_accum_dtype fp32): a
+                # full, unpartitioned fp32 gradient copy (bf16_optimizer.py fp32_groups_gradients)
+                # beside the bf16 param.grad of the backward (measured: 2 ranks, 4.0 N B fp32)
+                out["gradients"] = 4 * held + w * held
             out["deepspeed_buffers"] = w * (bucket + flat)
         else:
             # every backward fills the bucket (min(held, reduce_bucket_size)) and reduces it into
             # the rank's gradient partition (grads_in_partition), flattening one destination
             # rank's slice at a time (allreduce_no_retain -> allreduce_bucket)
-            out["gradients"] = w * s.part
+            # bf16: the partition is kept in fp32 (grad_accum_dtype fp32)
+            out["gradients"] = (4 if w < 4 else w) * s.part
             out["deepspeed_buffers"] = w * (bucket + flat)
     else:
         live = held if 2 * held <= DS_MAX_REUSE else DS_MAX_REUSE / 2 + DS_PREFETCH_BUCKET
@@ -544,13 +550,15 @@ def memory_per_rank(
         out["weights"] = w * (s.part + s.persistent)
         out["master_weights"] = 4 * s.part
         out["optimizer"] = 8 * s.part
-        out["gradients"] = w * s.part
+        out["gradients"] = (4 if w < 4 else w) * s.part  # bf16: an fp32 partition (stage3.py)
         # gathered parameters, the reduce bucket (allocated once, resident once touched), and
         # reduce_scatter_coalesced's padded copy of the bucket (comm/coalesced_collectives.py
         # torch.cat of the partitions). Not modelled: on CPU glibc keeps the freed per-parameter
         # gather/gradient buffers in its heap, which grows over steps (see the benchmark notes)
         bucket = min(held, DS_REDUCE_BUCKET)
         out["deepspeed_buffers"] = w * (live + 2 * bucket)
+        if w < 4 and device == "cuda":  # bf16: the fp32 IPG bucket, allocated whole on a GPU
+            out["deepspeed_buffers"] += 4 * DS_REDUCE_BUCKET - w * bucket
         if w < 4:  # parallel/engine.py keep_routing_fp32: full fp32 router weights per rank
             out["weights"] += 4 * _router_numel(c)
     if seq_len:

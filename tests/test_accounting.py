@@ -136,7 +136,9 @@ def test_zero_stages_divide_what_they_should():
     assert m[0]["optimizer"] == 8 * n and m[1]["optimizer"] == pytest.approx(8 * n / w)
     assert m[0]["master_weights"] == 4 * n and m[1]["master_weights"] == pytest.approx(4 * n / w)
     # stage 2 also the gradients, stage 3 also the weights
-    assert m[2]["gradients"] < m[1]["gradients"] and m[2]["gradients"] == pytest.approx(2 * n / w)
+    # (bf16 keeps gradients in fp32: DeepSpeed's grad_accum_dtype; stage 1 a full copy)
+    assert m[2]["gradients"] < m[1]["gradients"] and m[2]["gradients"] == pytest.approx(4 * n / w)
+    assert m[1]["gradients"] == pytest.approx(6 * n)
     assert m[3]["weights"] < m[2]["weights"] == 2 * n
     for z in (1, 2, 3):  # each stage holds no more model state than the one below
         for k in ("optimizer", "master_weights", "gradients", "weights"):
@@ -305,3 +307,24 @@ def test_count_lists_the_matmuls_of_a_micro_batch(capsys):
     assert main(["count", str(ROOT / "configs" / "debug.yaml"), "--matmuls"]) == 0
     text = capsys.readouterr().out
     assert "weight matmuls of one micro-batch" in text and "mlp.experts.w_down" in text
+
+
+def test_gpu_peaks_by_part_and_fp32_precision():
+    """MFU's peak: PCIe/NVL parts are not the SXM part whose name they contain, and fp32 is
+    TF32's peak only where torch lets fp32 matmuls use TF32 (its default does not)."""
+    import torch
+
+    from llmtrain.train.metrics import gpu_peak
+
+    assert gpu_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert gpu_peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert gpu_peak("NVIDIA H200 NVL", "bf16") == 835e12
+    assert gpu_peak("NVIDIA GeForce RTX 3090", "bf16") is None
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert gpu_peak("NVIDIA H100 80GB HBM3", "fp32") == 67e12
+        torch.set_float32_matmul_precision("high")
+        assert gpu_peak("NVIDIA H100 80GB HBM3", "fp32") == 494.5e12
+    finally:
+        torch.set_float32_matmul_precision(before)

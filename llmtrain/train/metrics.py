@@ -16,15 +16,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# dense bf16 peak per GPU, for MFU; other devices measure a matmul ceiling instead
-_GPU_PEAK_BF16 = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-}
+# dense peaks per GPU for MFU (TFLOP/s x 1e12): bf16 tensor cores, TF32 tensor cores, and fp32
+# without them (torch's default float32_matmul_precision "highest"). First match wins, so the
+# PCIe / NVL parts come before the SXM name they contain; other devices measure a matmul ceiling
+_GPU_PEAKS = (  # (name fragment, bf16, tf32, fp32)
+    ("H100 PCIe", 756e12, 378e12, 51e12),
+    ("H100 NVL", 835e12, 418e12, 60e12),
+    ("H200 NVL", 835e12, 418e12, 60e12),
+    ("H100", 989e12, 494.5e12, 67e12),
+    ("H200", 989e12, 494.5e12, 67e12),
+    ("H800", 989e12, 494.5e12, 67e12),
+    ("A100", 312e12, 156e12, 19.5e12),
+    ("A800", 312e12, 156e12, 19.5e12),
+    ("L40S", 362e12, 183e12, 91.6e12),
+)
 
 
 def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -46,12 +51,22 @@ def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int 
     return 2 * n**3 / best
 
 
+def gpu_peak(name: str, dtype: str) -> float | None:
+    """The dense peak of the GPU called `name` for `dtype` (fp32: TF32's only where torch lets
+    fp32 matmuls use it), None for a GPU not in the table."""
+    for frag, bf16, tf32, fp32 in _GPU_PEAKS:
+        if frag in name:
+            if dtype != "fp32":
+                return bf16
+            return fp32 if torch.get_float32_matmul_precision() == "highest" else tf32
+    return None
+
+
 def peak_flops_per_device(device, dtype: str) -> float:
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for k, v in _GPU_PEAK_BF16.items():
-            if k in name:
-                return v if dtype == "bf16" else v / 2
+        peak = gpu_peak(torch.cuda.get_device_name(device), dtype)
+        if peak is not None:
+            return peak
     return measure_matmul_ceiling(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
