@@ -57,6 +57,9 @@ class RopeConfig:
         if self.type not in ROPE_TYPES:
             raise ConfigError(f"{prefix}.type={self.type!r} is unknown; use one of {ROPE_TYPES}")
         _positive(prefix, "theta", self.theta)
+        if self.type == "default" and self.factor != 1.0:  # default RoPE has no scaling
+            raise ConfigError(f"{prefix}.factor={self.factor} has no effect with {prefix}.type="
+                              f"default; set {prefix}.type=yarn to scale RoPE, or drop the factor")  # fmt: skip
         if self.type == "yarn":
             if self.factor < 1:
                 raise ConfigError(f"{prefix}.factor={self.factor} must be >= 1 for YaRN")
@@ -310,6 +313,32 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"{prefix}.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        decay_from = self.max_steps - max(1, int(round(self.decay_fraction * self.max_steps)))
+        if self.schedule == "wsd" and self.warmup_steps > decay_from:
+            # the decay (schedule.py) would start before the warmup ends: the LR would drop
+            # from mid-warmup at once. Warm up until the decay instead, and say so
+            logger.warning(
+                "%s.warmup_steps=%d runs into the wsd decay, which starts at step %d (%s."
+                "decay_fraction=%s of %d steps): warming up until then instead", prefix,
+                self.warmup_steps, decay_from, prefix, self.decay_fraction, self.max_steps,
+            )  # fmt: skip
+            self.warmup_steps = decay_from
+        # keys llmtrain derives from train.* / parallel.*: a different value here would make
+        # DeepSpeed run another layout than the one the run reports and checkpoints
+        derived = {("train_batch_size",): "train.global_batch_size",
+                   ("train_micro_batch_size_per_gpu",): "train.micro_batch_size",
+                   ("gradient_accumulation_steps",): "train.global_batch_size",
+                   ("gradient_clipping",): "train.grad_clip",
+                   ("zero_optimization", "stage"): "parallel.zero_stage",
+                   ("bf16", "enabled"): "train.dtype", ("fp16",): "train.dtype",
+                   ("optimizer",): "train.lr and friends"}  # fmt: skip
+        for path, ours in derived.items():
+            node: Any = self.deepspeed
+            for k in path:
+                node = node.get(k) if isinstance(node, dict) else None
+            if node is not None:
+                raise ConfigError(f"{prefix}.deepspeed.{'.'.join(path)} is set by llmtrain from "
+                                  f"{ours}; set that instead")  # fmt: skip
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be in [0, 1)")
@@ -368,6 +397,11 @@ class Config:
             )
         if self.parallel.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend={self.parallel.backend!r}: use auto, nccl or gloo")
+        if self.model.mtp_depth and self.train.seq_len <= self.model.mtp_depth:
+            raise ConfigError(
+                f"train.seq_len={self.train.seq_len} leaves no position for model.mtp_depth="
+                f"{self.model.mtp_depth}'s predictions; use train.seq_len > model.mtp_depth"
+            )
         if self.train.compile and self.parallel.zero_stage == 3:
             raise ConfigError(
                 "train.compile=true with parallel.zero_stage=3: ZeRO-3 gathers each weight in "
@@ -466,10 +500,15 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
     if unknown:
+        import difflib
+
         loc = f"{where}." if where else ""
+        close = {k: difflib.get_close_matches(k, list(types_), n=1) for k in unknown}
+        hint = "; ".join(f"did you mean {loc}{c[0]}?" for k, c in close.items() if c)
         raise ConfigError(
-            f"unknown key(s) {', '.join(loc + k for k in unknown)}; "
-            f"known keys{' of ' + where if where else ''}: {', '.join(sorted(types_))}"
+            f"unknown key(s) {', '.join(loc + k for k in unknown)}"
+            + (f" ({hint})" if hint else "")
+            + f"; known keys{' of ' + where if where else ''}: {', '.join(sorted(types_))}"
         )
     kwargs = {}
     for name, value in data.items():
@@ -485,7 +524,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(nxt, dict):
             raise ConfigError(f"override {key}: {p} is not a section")
         node = nxt
-    node[parts[-1]] = value
+    last = parts[-1]
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        node[last] = _merge(node[last], value)  # a.b={...} after a.b.c=... keeps a.b.c
+    else:
+        node[last] = value
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -516,6 +559,23 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (PyYAML keeps the last one
+    silently: a second `model:` section would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(p: Path) -> Any:
     try:
         text = p.read_text(encoding="utf-8")
@@ -524,7 +584,7 @@ def _read_yaml(p: Path) -> Any:
             f"config file {p} is not UTF-8 text (byte {e.start}); give a YAML file"
         ) from e
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         hint = (
             "YAML forbids tabs for indentation; indent with spaces"

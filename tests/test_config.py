@@ -119,3 +119,40 @@ def test_one_source_as_a_string_and_warmup_clamped():
     assert cfg.train.warmup_steps == 5  # debug.yaml's 20 clamped to the run
     with pytest.raises(ConfigError, match="warmup_steps=-1"):
         load_config(ROOT / "configs" / "debug.yaml", ["train.warmup_steps=-1"])
+
+
+DEBUG_YAML = ROOT / "configs" / "debug.yaml"
+
+
+def test_duplicate_yaml_keys_are_errors(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `model:` section would silently
+    replace the whole first one."""
+    f = tmp_path / "dup.yaml"
+    f.write_text("model:\n  hidden_size: 64\n  num_heads: 4\nmodel:\n  vocab_size: 512\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'model' \(first at line 1\)"):
+        load_config(f)
+
+
+def test_config_mends_from_the_audit():
+    # a mapping override after a dotted one keeps the dotted one (either order)
+    over = ["model.rope.factor=4", "model.rope={type: yarn, original_max_position_embeddings: 128}"]
+    for order in (over, over[::-1]):
+        c = load_config(DEBUG_YAML, order + ["model.max_position_embeddings=512"])
+        assert c.model.rope.factor == 4 and c.model.rope.type == "yarn"
+    # the closest key is named
+    with pytest.raises(ConfigError, match=r"did you mean model\.hidden_size\?"):
+        load_config(DEBUG_YAML, ["model.hiden_size=64"])
+    # what llmtrain derives cannot be overridden behind its back through train.deepspeed
+    for key, ours in (("zero_optimization.stage=3", "parallel.zero_stage"),
+                      ("bf16.enabled=true", "train.dtype"), ("train_batch_size=16", "train.global_batch_size")):  # fmt: skip
+        with pytest.raises(ConfigError, match=ours):
+            load_config(DEBUG_YAML, [f"train.deepspeed.{key}"])
+    load_config(DEBUG_YAML, ["train.deepspeed.zero_optimization.overlap_comm=true"])  # others pass
+    with pytest.raises(ConfigError, match=r"no effect with model\.rope\.type=default"):
+        load_config(DEBUG_YAML, ["model.rope.factor=4"])
+    with pytest.raises(ConfigError, match="train.seq_len > model.mtp_depth"):
+        load_config(DEBUG_YAML, ["model.mtp_depth=2", "train.seq_len=2"])
+    # wsd: a warmup that runs into the decay warms up until the decay starts (no LR drop)
+    c = load_config(DEBUG_YAML, ["train.schedule=wsd", "train.max_steps=400", "train.warmup_steps=380",
+                                 "train.decay_fraction=0.2"])  # fmt: skip
+    assert c.train.warmup_steps == 320

@@ -55,6 +55,11 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        from llmtrain.config import ConfigError
+
+        raise ConfigError("parallel.backend=nccl needs CUDA GPUs, and torch sees none here; use "
+                          "parallel.backend=auto (gloo on CPU) or gloo")  # fmt: skip
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)
         release_shm_names()

@@ -206,6 +206,13 @@ def _train(
     t = cfg.train
     if rank == 0:
         logger.info("layout: %s", layout.describe())
+        from llmtrain.hf import hf_config_from_model
+
+        try:  # said now, not when `llmtrain export` refuses the run at its end
+            hf_config_from_model(cfg.model, mtp=True)
+        except ValueError as e:
+            logger.warning("this model trains, but stock transformers cannot load it, so "
+                           "`llmtrain export` will refuse it: %s", e)  # fmt: skip
     run = _load_data(cfg, run_dir, layout, rank, world, local_rank, device)
     run.checkpointer = Checkpointer(run_dir, None, rank, t.keep_last)
     ck_dir = run.checkpointer.resolve(resume)
