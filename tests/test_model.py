@@ -66,7 +66,10 @@ def test_attention_backends_agree(debug_cfg, rope):
     cfg = dataclasses.replace(
         debug_cfg.model,
         rope=dataclasses.replace(
-            debug_cfg.model.rope, type=rope, factor=4.0, original_max_position_embeddings=32
+            debug_cfg.model.rope,
+            type=rope,
+            factor=4.0 if rope == "yarn" else 1.0,
+            original_max_position_embeddings=32,
         ),
     )
     model = build_model(cfg)
