@@ -93,6 +93,8 @@ def cmd_count(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len {args.seq_len}: give a positive context length")
     if (args.world_size or 0) < 0 or (args.ep_size is not None and args.ep_size < 1):
         raise UsageError("--world-size must be >= 0 and --ep-size >= 1")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UsageError(f"--micro-batch {args.micro_batch}: give at least 1 sequence")
     model_cfg, cfg = _load_model_config(args.config, args.overrides)
     seq_len = args.seq_len or (cfg.train.seq_len if cfg is not None else None)
     c = count(model_cfg, seq_len=seq_len, kv_dtype=args.kv_dtype)

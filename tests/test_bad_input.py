@@ -122,6 +122,8 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("beta-out-of-range", {}, ["count", DEBUG, "train.beta2=1.5"], ("train.beta2",)),
     ("override-bad-yaml", {}, ["count", DEBUG, "data.sources=[a"], ("data.sources=[a", "brackets")),
     ("override-empty-key", {}, ["count", DEBUG, "=3"], ("empty key",)),
+    ("count-micro-batch-0", {}, ["count", DEBUG, "--world-size", "1", "--micro-batch", "0"], ("--micro-batch 0",)),
+    ("duplicate-key", {"c.yaml": "model:\n  hidden_size: 64\nmodel:\n  num_layers: 2\n"}, ["count", "{c.yaml}"], ("duplicate key 'model'",)),
     ("override-no-equals", {}, ["count", DEBUG, "train.lr"], ("section.key=value",)),
     ("section-as-scalar", {}, ["count", DEBUG, "model=3"], ("model", "mapping")),
     ("dict-for-list", {}, ["count", DEBUG, "data.sources={a: 1}"], ("data.sources", "list")),
