@@ -11,11 +11,11 @@ overlaps each rank needs, so a rank reads only the stored chunks that meet its o
 
 Packed (format 2): DCP's `.metadata` lists every stored chunk and is read whole by every rank,
 so one chunk per tensor per rank grows as tensors x ranks: ZeRO-3 splits each of DeepSeek-V3's
-~3,000 saved tensors over all 1,024 ranks, 3.1M chunks, a ~440 MB pickle that unpickles to
-~9 GB on every rank (measured: 142 B and ~2.9 kB per chunk). So each rank's pieces are written
-concatenated into a few large "parts" of one DCP tensor per dtype (`pack/float32`), and
-`pack_index.npy` (columns key id, start, numel, pack position, part offset; sorted by key and
-start) says where each piece lies. A reader memory-maps the index and binary-searches only
+~3,000 saved tensors over all ranks (at 256 ranks: 713k chunks, a 139 MB file taking 1.4 GB
+and 7 s to load on every rank; benchmarks/checkpoint_metadata.py). So each rank's pieces are
+written concatenated into a few large "parts" of one DCP tensor per dtype (`pack/float32`),
+and `pack_index.npy` (columns key id, start, numel, pack position, part offset, crc32; sorted
+by key and start) says where each piece lies. A reader memory-maps the index and binary-searches only
 the rows its own pieces meet; `.metadata` holds ranks x parts chunks. Pieces identical on
 several ranks (replicated buffers) are written once, by the lowest rank.
 
@@ -134,7 +134,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         super().__init__(
             flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True
         )
-        self.pieces = list({(p.key, p.start): p for p in pieces if p.numel > 0}.values())
+        self._by_index = {(p.key, p.start): p for p in pieces if p.numel > 0}
+        self.pieces = list(self._by_index.values())
         self.blobs = blobs
         self.on_write = on_write
         self.out, self.pack = out, pack
@@ -202,7 +203,7 @@ class PieceSavePlanner(DefaultSavePlanner):
             return io.BytesIO(self.blobs[write_item.index.fqn])
         fqn, off = write_item.index.fqn, write_item.index.offset[0]
         if not self.pack:
-            t = self._piece_data(next(p for p in self.pieces if (p.key, p.start) == (fqn, off)))
+            t = self._piece_data(self._by_index[(fqn, off)])
         else:
             idx = self._parts[(fqn[len(PACK_PREFIX) :], off)]
             if len(idx) == 1:  # a part of its own: the piece itself, no copy
@@ -253,8 +254,8 @@ def _write_item(key: str, start: int, numel: int, full: int, dtype: torch.dtype)
 def _pack_layout(summaries: list[dict], part_elems: int):
     """The coordinator's plan: for each rank, its parts [(dtype, pack offset, numel, [piece
     indices in the rank's order])]; the index table [6, rows] (key id, start, numel, pack
-    position, part offset, crc32 of the piece's bytes or -1) sorted by key and start; the keys [(name, full numel, dtype)]; and
-    each dtype's pack length. Vectorised: ~3M pieces at 1,024 ranks. Summary rows: (key,
+    position, part offset, crc32 of the piece's bytes or -1) sorted by key and start; the keys
+    [(name, full numel, dtype)]; and each dtype's pack length. Vectorised: ~3M pieces at 1,024 ranks. Summary rows: (key,
     start, numel, produced lazily, crc32 or -1)."""
     keys: dict[str, tuple[int, str]] = {}
     lists = {blob: json.loads(zlib.decompress(blob)) for blob in {s["keys"] for s in summaries}}
@@ -269,7 +270,7 @@ def _pack_layout(summaries: list[dict], part_elems: int):
     del lists
     fulls = np.array([keys[k][0] for k in names], dtype=np.int64)
     dts = [keys[k][1] for k in names]
-    cols = []  # key id, start, numel, rank, local index, own part
+    cols = []  # key id, start, numel, rank, local index, produced lazily, crc32
     for r, s in enumerate(summaries):
         rows = s["rows"]
         to_g = to_global[s["keys"]]
@@ -383,6 +384,14 @@ class PackIndex:
         return items, crcs
 
 
+def _saved_numel(metadata, pack: PackIndex | None, key: str) -> int | None:
+    """How many elements the checkpoint holds of `key` (None: it lacks it), either format."""
+    if pack is not None:
+        return pack.full(key)
+    saved = metadata.state_dict_metadata.get(key)
+    return math.prod(saved.size) if isinstance(saved, TensorStorageMetadata) else None
+
+
 def crc32(t: torch.Tensor) -> int:
     """zlib's crc32 of a tensor's bytes (~7 GB/s here), read to the host in bounded blocks."""
     flat = t.detach().reshape(-1)
@@ -420,11 +429,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         md = self.metadata.state_dict_metadata
         items: list[ReadItem] = []
         for i, p in enumerate(self.pieces):
-            if self.pack is not None:
-                full = self.pack.full(p.key)
-            else:
-                saved = md.get(p.key)
-                full = math.prod(saved.size) if isinstance(saved, TensorStorageMetadata) else None
+            full = _saved_numel(self.metadata, self.pack, p.key)
             if full is None:
                 raise CheckpointError(f"the checkpoint lacks {p.key}")
             if full != p.full_numel:
@@ -437,7 +442,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                 stored = _DTYPES[self.pack.keys[p.key][2]]
                 self._crc.update({(i, at): (c, stored) for at, c in crcs.items()})
             else:  # format 1: one local chunk per piece; dest_index.index says which piece
-                got = create_read_items_for_chunk_list(p.key, saved, [_chunk(p)])
+                got = create_read_items_for_chunk_list(p.key, md[p.key], [_chunk(p)])
                 got = [dataclasses.replace(r, dest_index=MetadataIndex(p.key, r.dest_index.offset,
                                                                        i)) for r in got]  # fmt: skip
             if sum(math.prod(r.lengths) for r in got) != p.numel:
@@ -565,6 +570,15 @@ class RangedReader(dcp.FileSystemReader):
     (views are cloned), stored uncompressed: the elements [a, a + n) are bytes
     [data + a·s, data + (a + n)·s) of the file. Anything else (transforms, BYTE_IO, an unexpected
     layout) goes through torch's reader."""
+
+    def read_metadata(self, *args, **kwargs):
+        """Once per reader: `load_pieces` reads it before DCP (for its errors and the pack
+        index), and DCP's load would unpickle it again."""
+        if kwargs.get("rank") is not None:  # DCP's rank-local metadata: another file
+            return super().read_metadata(*args, **kwargs)
+        if getattr(self, "_metadata", None) is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -838,11 +852,7 @@ class ShardedReader:
         return out
 
     def _full(self, key: str) -> int:
-        if self._pack is not None:
-            full = self._pack.full(key)
-        else:
-            md = self._md.state_dict_metadata.get(key)
-            full = None if md is None else math.prod(md.size)
+        full = _saved_numel(self._md, self._pack, key)
         if full is None:
             raise CheckpointError(f"checkpoint {self.dir} lacks {key}")
         return full

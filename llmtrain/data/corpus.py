@@ -207,8 +207,10 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
             while raw:
                 pending += dec.decode(raw)
                 # no safe cut yet: read on, up to 4 pieces' worth (then any line end)
-                cut = _cut(pending, len(pending) >= 4 * TEXT_PIECE_CHARS)
-                if len(pending) >= TEXT_PIECE_CHARS and cut:
+                cut = len(pending) >= TEXT_PIECE_CHARS and _cut(
+                    pending, len(pending) >= 4 * TEXT_PIECE_CHARS
+                )
+                if cut:
                     yield key, kind, pending[:cut], False
                     kind, pending = "more", pending[cut:]
                 raw = fh.read(TEXT_PIECE_CHARS)
@@ -326,7 +328,7 @@ def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
             f"{_where(key, kind)}: {text_field!r} is not a string ({type(payload).__name__})",
         )
     try:
-        payload.encode("utf-8")
+        payload.isascii() or payload.encode("utf-8")  # (isascii is O(1): most text skips this)
     except UnicodeEncodeError:  # JSON may escape a lone surrogate ("\ud800"): not text
         return None, f"{_where(key, kind)}: text that is not valid Unicode (a lone surrogate)"
     text = payload

@@ -163,13 +163,14 @@ def watch(
     lock = None
     done: set[tuple[int, str]] = set()
     last_new = time.monotonic()
+    work = _work_dir(run, results)  # this results file's snapshots
     try:
         while True:
             if lock is None and run.is_dir():  # one watcher per results file
                 lock = _lock(results)
                 # a killed watcher's snapshots of this results file (another watcher, with its
                 # own --out, keeps its own folder)
-                shutil.rmtree(_work_dir(run, results), ignore_errors=True)
+                shutil.rmtree(work, ignore_errors=True)
                 done = {(r["step"], r.get("checkpoint_id", "")) for r in _read_rows(results)
                         if {k: r.get(k) for k in key} == key}  # fmt: skip
             steps = complete_checkpoints(run)
@@ -187,8 +188,7 @@ def watch(
                 if (s, ident) not in done:
                     todo.append((s, d, ident))
             for step, ck, ident in todo:
-                row = _score(run, step, ck, ident, key, tasks, eval_kwargs,
-                             _work_dir(run, results))  # fmt: skip
+                row = _score(run, step, ck, ident, key, tasks, eval_kwargs, work)
                 done.add((step, ident))
                 if row is None:
                     continue

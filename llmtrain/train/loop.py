@@ -305,9 +305,9 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
 def _vocab(tokenizer_file: Path) -> dict[str, int] | None:
     if not tokenizer_file.is_file():
         return None
-    from tokenizers import Tokenizer
+    from llmtrain.data.tokenizer import load_tokenizer
 
-    return Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+    return load_tokenizer(tokenizer_file).get_vocab(with_added_tokens=True)
 
 
 def _check_resumed_data(ck_dir: Path, state: dict, run: _Run) -> list[str]:
