@@ -142,7 +142,7 @@ def main() -> None:
         f"peak memory {peak_gib:.1f} GiB",
         f"CUDA memory outside torch's allocator (context, kernels, workspaces): {runtime}",
         f"GPU kernel time per fwd+bwd by kind: {by_kind or 'n/a (no CUDA kernels)'}",
-        events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60),
+        events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=60),
     ]
     text = "\n".join(lines)
     print(text)

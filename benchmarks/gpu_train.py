@@ -4,7 +4,8 @@
                                    [--compile] [--timeout 240] [--out FILE.json] [a.b=c ...]
 
 Runs the real trainer (DeepSpeed engine, ZeRO-1, fused AdamW) for `--steps` optimizer steps of
-32 x 2048 tokens on the built-in corpus, drops the first `--warmup` steps (compilation,
+32 x 2048 tokens (8 per micro-batch; `train.global_batch_size=256` to run a config's own batch)
+on the built-in corpus, drops the first `--warmup` steps (compilation,
 allocator growth) and reports medians over the rest. MFU is against the GPU's dense bf16 peak
 (llmtrain.train.metrics: 989 TFLOP/s for H100/H200) with the trainer's FLOPs per token (6 x
 active matmul parameters + attention). Writes JSON to --out, else $OUT/gpu_train_<name>.json
@@ -80,6 +81,9 @@ def main() -> None:
         rows, returncode, _ = _train(args, over, False, left)
         res["compile"] = False
     res["overrides"] = [f"train.max_steps={args.steps}", *over]
+    res["sequences_per_step"] = int(  # the last override wins, as in the trainer
+        [o for o in over if o.startswith("train.global_batch_size=")][-1].split("=")[1]
+    )
     res["returncode"] = returncode
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     steady = rows[args.warmup :]  # a run cut short before them gives no figure, not a warm-up one

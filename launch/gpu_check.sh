@@ -22,7 +22,8 @@
 # are left, so the rerun (a fresh machine) gets GPU_CHECK_BUDGET=180 and GPU_CHECK_SKIP naming
 # the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
-# BENCH_STEPS (default 20), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
+# BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 10, at BENCH_GBS_1B sequences a
+# step, default 256 as in configs/moe_1b.yaml), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
 # "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels tests_gpu
 # tests_gpu_train bench_moe_100m bench_moe_1b_eager profile_moe_1b; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
@@ -71,10 +72,12 @@ export SMOKE
 # what the benchmarks run: the real configs, or (CPU smoke) the debug one for a few short steps
 CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
 WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
+GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-10} WARMUP_1B=3  # the 1B runs' batch
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3 WARMUP=1
+  STEPS_1B=3 WARMUP_1B=1 GBS_1B=8
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -217,8 +220,12 @@ export PYTHONPATH=$PYTHONPATH:$SITE
 # not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
+# the 1B runs at the config's own batch (256 x 2048 tokens, 32 micro-batches a step), as its
+# training would: the optimizer step is then 1/32 of the step's work, not 1/4 (the benchmark's
+# default of 32 sequences), and 10 steps take as long as 20 did there
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
-  --steps "$STEPS" --warmup "$WARMUP" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" "${SMALL[@]}"
+  --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" \
+  "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
 MIN=30 step kernels 100 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
   --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
@@ -229,8 +236,9 @@ SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
-MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B --steps "$STEPS" \
-  --warmup "$WARMUP" --name moe_1b_eager --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}"
+MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
+  --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b_eager \
+  --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 
@@ -275,13 +283,13 @@ for f in sorted(out.glob("gpu_train_*.json")):
     rows.append(r)
 if rows:
     # loss at the first and last step: compiled and eager 1B runs see the same data and seed
-    print(f"\n{'run':<14} {'compile':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
-          f"{'rc':>7}  loss first -> last")
+    print(f"\n{'run':<14} {'compile':>7} {'seq/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'peak GiB':>9} {'rc':>7}  loss first -> last")
     for r in rows:
         tok, tf, mfu, mem = (r.get(k) for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib"))
         fmt = lambda v, s: s.format(v) if isinstance(v, (int, float)) else "-"
         first, last = (r.get("loss_first_last") or [None, None])[:2]
-        print(f"{r['name']:<14} {str(r.get('compile')):>7} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
+        print(f"{r['name']:<14} {str(r.get('compile')):>7} {str(r.get('sequences_per_step', '-')):>8} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
               f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}  "
               f"{fmt(first, '{:.4f}')} -> {fmt(last, '{:.4f}')}")
         if r.get("predicted_memory_gib"):  # llmtrain count's peak, less the CUDA context

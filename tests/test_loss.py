@@ -37,3 +37,24 @@ def test_chunk_size_by_device():
     assert cpu == _chunk_rows(32000) == (1 << 22) // 32000  # CPU keeps its tuned size
     assert gpu % 128 == 0 and gpu >= 8 * cpu
     assert _chunk_rows(10**7, torch.device("cuda")) == 128  # never below one tile of rows
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_chunk_function_matches_in_place_path(compiled, monkeypatch):
+    """`_ce_chunk` (what `train.compile` runs per chunk on CUDA) gives the in-place path's loss
+    and gradients; compiled here on CPU by inductor, eager when not."""
+    from llmtrain.model import loss as L
+
+    if not compiled:
+        monkeypatch.setattr(L, "_compiled_ce_chunk", lambda: L._ce_chunk)
+    torch.manual_seed(0)
+    w = torch.randn(50, 16, requires_grad=True)
+    h = torch.randn(30, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (30,))
+    labels[:4] = -100
+    out = []
+    for fused in (False, True):
+        loss = L._FusedLinearCE.apply(h, w, labels, 8, True, fused)
+        out.append((loss, *torch.autograd.grad(loss * 2.0, [h, w])))
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

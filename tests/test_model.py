@@ -522,3 +522,29 @@ def test_one_rank_training_step_needs_no_host_sync(debug_cfg, impl):
         loss = step().loss
         grads = torch.autograd.grad(loss, [fake[k] for k in params])
     assert loss.shape == () and len(grads) == len(params)
+
+
+def test_fused_input_projections_match_separate(debug_cfg):
+    """MLA's fused down-projections and the MLPs' fused gate|up (what train.compile turns on)
+    give the separate GEMMs' loss and gradients, parameters unchanged."""
+    from llmtrain.model.attention import MLA
+    from llmtrain.model.layers import MLP
+
+    cfg = dataclasses.replace(debug_cfg.model, mtp_depth=1)
+    model = build_model(cfg, dtype=torch.float64).train()
+    ids = _ids(cfg)
+    names = [n for n, _ in model.named_parameters()]
+    out = []
+    for fused in (False, True):
+        mods = [m for m in model.modules() if isinstance(m, (MLA, MLP))]
+        assert any(isinstance(m, MLA) for m in mods) and any(isinstance(m, MLP) for m in mods)
+        for m in mods:
+            setattr(m, "fuse_input_proj" if isinstance(m, MLA) else "fuse_gate_up", fused)
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        out.append((loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)))
+    assert [n for n, _ in model.named_parameters()] == names
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-12, atol=1e-12)
+    for n, a, b in zip(names, out[0][1], out[1][1], strict=True):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=n)

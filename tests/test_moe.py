@@ -161,3 +161,32 @@ def test_load_counts_once_under_activation_checkpointing(debug_cfg):
         got[ckpt] = [int(x.load_since_update.sum()) for x in m.moe_layers()]
     k = cfg.num_experts_per_tok
     assert got[False] == got[True] == [2 * 32 * k] * (len(got[True]) - 1) + [2 * 31 * k]
+
+
+def test_gather_rows_matches_autograd_index_for_dispatch_and_combine():
+    """The dispatch gather (each token read K times) and the combine gather (a permutation)
+    give autograd's values and gradients through their inverse-index backward."""
+    from llmtrain.model.moe import gather_rows
+
+    g = torch.Generator().manual_seed(0)
+    t, k, d, e = 37, 3, 5, 6
+    idx_M = torch.randint(0, e, (t * k,), generator=g)
+    order_M = torch.argsort(idx_M, stable=True)
+    inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(t * k))
+    x = torch.randn(t, d, dtype=torch.float64, generator=g, requires_grad=True)
+    gy = torch.randn(t * k, d, dtype=torch.float64, generator=g)
+    ours = gather_rows(x, order_M // k, inv_M, k)
+    ref = x[order_M // k]
+    assert torch.equal(ours, ref)
+    (ga,) = torch.autograd.grad(ours, x, gy)
+    (gb,) = torch.autograd.grad(ref, x, gy)
+    torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+
+    y = torch.randn(t * k, d, dtype=torch.float64, generator=g, requires_grad=True)
+    ours = gather_rows(y, inv_M, order_M, 1)
+    ref = y[inv_M]
+    assert torch.equal(ours, ref)
+    (ga,) = torch.autograd.grad(ours, y, gy)
+    (gb,) = torch.autograd.grad(ref, y, gy)
+    assert torch.equal(ga, gb)  # a permutation: each gradient row is copied, not summed
+    assert torch.autograd.gradcheck(lambda v: gather_rows(v, order_M // k, inv_M, k), (x,))

@@ -419,13 +419,26 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, h * (self.n + self.v), bias=False)
         self.o_proj = nn.Linear(h * self.v, d, bias=False)
         self.scale = softmax_scale(cfg)
+        # q_a_proj and kv_a_proj_with_mqa read the same x: one GEMM over both weights, whose
+        # narrow outputs (512, 576 at 1B) each run far below the GPU's matmul rate. Set by
+        # `train.compile` (never under ZeRO-3, whose hooks gather a weight only in its module's call)
+        self.fuse_input_proj = False
 
-    def _q(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = x_BTD.shape
+    def _down(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(q_a_proj(x) or None without q compression, kv_a_proj_with_mqa(x))."""
         if self.cfg.q_lora_rank is None:
+            return None, self.kv_a_proj_with_mqa(x_BTD)
+        if not self.fuse_input_proj:
+            return self.q_a_proj(x_BTD), self.kv_a_proj_with_mqa(x_BTD)
+        w = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+        return F.linear(x_BTD, w).split([self.cfg.q_lora_rank, self.r + self.p], dim=-1)
+
+    def _q(self, x_BTD: torch.Tensor, qa: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x_BTD.shape
+        if qa is None:
             q = self.q_proj(x_BTD)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+            q = self.q_b_proj(self.q_a_layernorm(qa))
         q_BHTE = q.view(b, t, self.h, self.n + self.p).transpose(1, 2)
         return q_BHTE[..., : self.n], q_BHTE[..., self.n :]
 
@@ -440,9 +453,9 @@ class MLA(nn.Module):
         b, t, _ = x_BTD.shape
         interleave = self.cfg.rope.interleave
         cos1, sin1 = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, P2]
-        qn_BHTN, qr_BHTP = self._q(x_BTD)
+        qa, ckv = self._down(x_BTD)
+        qn_BHTN, qr_BHTP = self._q(x_BTD, qa)
         qr_BHTP = apply_rope(qr_BHTP, cos1, sin1, interleave)
-        ckv = self.kv_a_proj_with_mqa(x_BTD)
         c_BTR = self.kv_a_layernorm(ckv[..., : self.r])
         kr_BTP = apply_rope(ckv[..., self.r :].unsqueeze(1), cos1, sin1, interleave).squeeze(1)
 

@@ -38,8 +38,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        # gate and up in one GEMM (twice as wide: a shared expert's 768 columns run well below
+        # the GPU's matmul rate). Set by `train.compile`, never under ZeRO-3 (see MLA's)
+        self.fuse_gate_up = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_gate_up:
+            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            g, u = F.linear(x, w).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

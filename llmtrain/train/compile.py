@@ -9,7 +9,9 @@ What stays eager, and why:
 - With expert parallelism the MoE layer exchanges rows with a host-sized all-to-all, so there the
   pieces around it are compiled instead: attention, the norms, the router, the shared experts and
   the expert GEMMs (whose row count changes every step: compiled with dynamic shapes).
-- The embedding, the fused LM head + cross-entropy (large GEMMs in chunks) and the MTP glue.
+- The embedding, the fused LM head + cross-entropy (large GEMMs in chunks; on CUDA the
+  softmax and gradient of each chunk are compiled on their own, `LMHead.compile_ce`) and the
+  MTP glue.
 - ZeRO-3 is refused (see `Config.validate`): it gathers weights in module hooks that compiled
   code cannot run, which would break every block into pieces. So is a MoE model outside bf16:
   torch traces the grouped GEMM in bf16 only, and the per-expert loop would recompile each step.
@@ -24,7 +26,9 @@ import logging
 import torch
 from torch import nn
 
-from llmtrain.model.attention import MLACache
+from llmtrain.model.attention import MLA, MLACache
+from llmtrain.model.layers import MLP
+from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import MoE
 from llmtrain.model.transformer import DecoderLayer
 
@@ -72,6 +76,13 @@ def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
         else:
             compile_for_training(layer)
             done.append(name)
+    for mod in model.modules():
+        if isinstance(mod, LMHead):  # its chunks' softmax + gradient (CUDA; see LMHead)
+            mod.compile_ce = True
+        elif isinstance(mod, MLA):  # one GEMM for the two down-projections of x
+            mod.fuse_input_proj = True
+        elif isinstance(mod, MLP):  # one GEMM for gate and up
+            mod.fuse_gate_up = True
     if done:
         logger.info("torch.compile: %d regions (%s ... %s)", len(done), done[0], done[-1])
     return done
