@@ -190,3 +190,26 @@ def test_gather_rows_matches_autograd_index_for_dispatch_and_combine():
     (gb,) = torch.autograd.grad(ref, y, gy)
     assert torch.equal(ga, gb)  # a permutation: each gradient row is copied, not summed
     assert torch.autograd.gradcheck(lambda v: gather_rows(v, order_M // k, inv_M, k), (x,))
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_sort_routing_cuda_takes_matches_topk(scoring, monkeypatch):
+    """The routing CUDA takes (a row sort, `_top(by_sort=True)`), run here on CPU: the same
+    experts, outputs and gradients as topk, group-limited routing and the balance loss included
+    (whose .view needs the indices contiguous, as topk returns them)."""
+    from llmtrain.model import moe as M
+
+    cfg = _cfg(scoring_func=scoring, n_group=2, topk_group=1, aux_loss_alpha=0.01)
+    m = _moe(cfg)
+    m.train()
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    ref = m(x)
+    ref_g = torch.autograd.grad(ref[0].square().sum() + ref[1], [x, m.gate.weight])
+    top = M._top
+    monkeypatch.setattr(M, "_top", lambda v, k: top(v, k, by_sort=True))
+    got = m(x)
+    got_g = torch.autograd.grad(got[0].square().sum() + got[1], [x, m.gate.weight])
+    for a, b in zip((*got, *got_g), (*ref, *ref_g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    v, i = top(torch.randn(5, 8), 3, by_sort=True)
+    assert v.is_contiguous() and i.is_contiguous()
