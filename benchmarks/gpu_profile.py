@@ -56,12 +56,12 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.monotonic()
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from llmtrain.accounting import RUNTIME_BYTES, count
     from llmtrain.config import load_config
     from llmtrain.model import build_model
+    from llmtrain.train.profiling import time_by_kind
 
     if not torch.cuda.is_available() and not args.cpu:
         print("benchmarks/gpu_profile.py needs a CUDA GPU", file=sys.stderr)
@@ -117,8 +117,8 @@ def main() -> None:
     events = prof.key_averages()
     # kernels only: a CPU op's row repeats the device time of the kernels it launched, and
     # compiled code adds user-annotation rows on the GPU over its kernels
-    gpu_us = sum(e.self_device_time_total for e in events
-                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / args.steps  # fmt: skip
+    kinds = time_by_kind(events, per=args.steps)
+    gpu_us = sum(kinds.values())
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
     runtime = "n/a on CPU"
     if dev == "cuda":  # device memory torch's allocator does not hold: context, loaded kernels,
@@ -127,13 +127,7 @@ def main() -> None:
         outside = (total - free - torch.cuda.memory_reserved()) / 2**20
         stated = RUNTIME_BYTES["cuda"] / 2**20
         runtime = f"{outside:.0f} MiB (llmtrain count assumes {stated:.0f})"
-    kinds: dict[str, float] = {}
-    for e in events:
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
-            k = kernel_kind(e.key)
-            kinds[k] = kinds.get(k, 0.0) + e.self_device_time_total / args.steps
-    by_kind = ", ".join(f"{k} {us / 1e3:.1f} ms ({us / 1e6 / dt:.0%})"
-                        for k, us in sorted(kinds.items(), key=lambda kv: -kv[1]))  # fmt: skip
+    by_kind = ", ".join(f"{k} {us / 1e3:.1f} ms ({us / 1e6 / dt:.0%})" for k, us in kinds.items())
     lines = [
         f"config {Path(args.config).name} ({'compiled' if args.compile else 'eager'}): "
         f"{tokens} tokens/micro-batch, fwd+bwd {dt * 1e3:.1f} ms, "
@@ -147,35 +141,6 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     _write(args, text, "gpu_profile")
-
-
-KERNEL_KINDS = (  # (kind, substrings of an ATen/library CUDA kernel's name), first match wins
-    ("communication", ("nccl",)),
-    ("attention", ("fmha", "flash", "attention", "sdpa", "cudnn")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
-    ("index/sort/scatter", ("index", "scatter", "gather", "sort", "radix", "cub::", "embedding")),
-    ("eager elementwise/reduce", ("elementwise", "vectorized", "reduce", "softmax", "norm")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """What a CUDA kernel does, from its name (cuBLAS/CUTLASS GEMMs, cuDNN/flash attention,
-    Inductor's Triton kernels, ATen's eager kernels), so the profile says how much of the step
-    is matmul and attention (what --kernels bounds) and how much is everything else.
-
-    Inductor names a fused kernel after the ops it feeds (`triton_poi_fused__grouped_mm_mul_silu`
-    is elementwise work around a GEMM), so Triton kernels are sorted first: only its templates
-    (`triton_tem_`) are matmuls, or attention for FlexAttention's."""
-    low = name.lower()
-    if low.startswith("triton_"):
-        if low.startswith("triton_tem_"):
-            return "attention" if "attention" in low else "matmul"
-        return "fused (triton)"
-    for kind, keys in KERNEL_KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
 
 
 def _out_path(args, kind: str) -> str:

@@ -11,6 +11,10 @@ allocator growth) and reports medians over the rest. MFU is against the GPU's de
 active matmul parameters + attention). Writes JSON to --out, else $OUT/gpu_train_<name>.json
 when $OUT is set, else benchmarks/results/. Needs CUDA; exits 2 without it.
 
+--profile profiles the last step inside the trainer (`train.profile_step`: GPU time by kernel
+kind, top ops by GPU and host time) into the JSON's "step_profile", and leaves it out of the
+medians.
+
 --compile runs with train.compile=true (torch.compile of each block; the compilation falls in the
 warm-up steps). Should that run fail before its first step, the benchmark reruns eager in the
 time left, so a figure still comes back, and records why in "compile_error".
@@ -56,6 +60,11 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="train.compile=true")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="profile the last step (train.profile_step): its summary goes into the JSON, the "
+        "step out of the medians",
+    )  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -69,24 +78,30 @@ def main() -> None:
     over = ["train.warmup_steps=5", "train.eval_every=100000", "train.save_final=false",
             "train.save_every=100000", "train.sample_tokens=0", "train.global_batch_size=32",
             "train.micro_batch_size=8", "train.seq_len=2048", "train.log_every=1",
-            "train.dtype=bf16", "model.attn_backend=auto", *args.overrides]  # fmt: skip
+            "train.dtype=bf16", "model.attn_backend=auto",
+            *([f"train.profile_step={args.steps}"] if args.profile else []),
+            *args.overrides]  # fmt: skip
     res: dict = {"name": name, "config": str(Path(args.config).name), "compile": args.compile}
     t0 = time.perf_counter()
     deadline = T_START + args.timeout
-    rows, returncode, tail = _train(args, over, args.compile, deadline - time.monotonic())
+    rows, returncode, tail, prof = _train(args, over, args.compile, deadline - time.monotonic())
     left = deadline - time.monotonic()
     if args.compile and not rows and left > 30:
         res["compile_error"] = tail
         print("the compiled run failed before its first step; rerunning eager", flush=True)
-        rows, returncode, _ = _train(args, over, False, left)
+        rows, returncode, _, prof = _train(args, over, False, left)
         res["compile"] = False
+    if prof:
+        res["step_profile"] = prof
+        print(prof[:20000], flush=True)
     res["overrides"] = [f"train.max_steps={args.steps}", *over]
     res["sequences_per_step"] = int(  # the last override wins, as in the trainer
         [o for o in over if o.startswith("train.global_batch_size=")][-1].split("=")[1]
     )
     res["returncode"] = returncode
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    steady = rows[args.warmup :]  # a run cut short before them gives no figure, not a warm-up one
+    # a run cut short before them gives no figure, not a warm-up one; a profiled step is slower
+    steady = [r for r in rows[args.warmup :] if not r.get("profiled")]
     res.update(
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (--cpu)",
         torch=torch.__version__,
@@ -108,7 +123,7 @@ def main() -> None:
         )
     res.update(_predicted_memory(args, over, res.get("peak_memory_gib")))
     for k, v in res.items():
-        if k not in ("overrides", "compile_error", "losses"):
+        if k not in ("overrides", "compile_error", "losses", "step_profile"):
             print(f"{k:>16}: {v}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
@@ -147,8 +162,9 @@ def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     return out
 
 
-def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, object, str]:
-    """One `llmtrain train` run; returns (step records, return code or "timeout", log tail)."""
+def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, object, str, str]:
+    """One `llmtrain train` run; returns (step records, return code or "timeout", log tail,
+    the profiled step's summary or "")."""
     run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
     over = [f"train.max_steps={args.steps}", *over, f"train.compile={str(compile).lower()}"]
     cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
@@ -166,8 +182,9 @@ def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, 
     print(text[-6000:], flush=True)  # the training log's end, into the check's log
     mfile = run / "metrics.jsonl"
     rows = [json.loads(l) for l in mfile.read_text().splitlines() if l] if mfile.exists() else []
+    prof = "".join(f.read_text() for f in sorted((run / "profile").glob("step_*_rank0.txt")))
     shutil.rmtree(run.parent, ignore_errors=True)
-    return [r for r in rows if "tokens_per_s" in r], returncode, text[-3000:]
+    return [r for r in rows if "tokens_per_s" in r], returncode, text[-3000:], prof
 
 
 if __name__ == "__main__":

@@ -277,6 +277,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, for MFU; 0 measures a matmul ceiling at start
     tensorboard: bool = True
     sample_tokens: int = 64  # length of the text sample generated at the end (0: none)
+    profile_step: int = 0  # profile this step (as logged, from 1) into run_dir/profile/ (0: none)
     init_from: str = ""  # a Hugging Face DeepseekV3/V2 directory to continue pre-training from
     eval_tasks: list = field(default_factory=list)  # lm-evaluation-harness tasks run periodically
     eval_tasks_every: int = 0  # steps between those evaluations (0: with each train.eval_every)
@@ -343,7 +344,8 @@ class TrainConfig:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be in [0, 1)")
         _positive(prefix, "eps", self.eps)
-        for name in ("weight_decay", "grad_clip", "peak_flops", "sample_tokens", "eval_batches"):
+        for name in ("weight_decay", "grad_clip", "peak_flops", "sample_tokens", "eval_batches",
+                     "profile_step"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be >= 0")
         if self.global_batch_size % self.micro_batch_size:

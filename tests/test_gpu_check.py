@@ -85,6 +85,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         r"moe_1b MFU [\d.e-]+% against the kernels' bound [\d.e-]+%: \d+% of it", summary
     )
     assert "peak memory predicted" in summary
+    assert "moe_1b trainer step profile: step 3: " in summary  # the last step, in the trainer
     # the compiled-vs-eager comparison; in smoke mode both runs are eager, hence equal
     assert "moe_1b compiled vs eager: max |loss difference| 0.0000 over 3 steps" in summary
 
@@ -92,8 +93,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
 def test_profile_sorts_cuda_kernels_by_kind():
     """The profile splits GPU time by kernel kind from kernel names as torch 2.11 on an H200
     names them: what is matmul and attention (the --kernels bound) and what is everything else."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_profile import kernel_kind
+    from llmtrain.train.profiling import kernel_kind
 
     cases = {
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",

@@ -452,7 +452,8 @@ def test_two_node_launch_on_localhost(reference, cache, tmp_path):
 
 @pytest.mark.parametrize(
     "extra",
-    [["train.dtype=bf16", "train.activation_checkpointing=true", "data.doc_mask=true"],
+    [["train.dtype=bf16", "train.activation_checkpointing=true", "data.doc_mask=true",
+      "train.profile_step=2", "train.log_every=3"],
      pytest.param(["train.offload_optimizer=true"], marks=pytest.mark.slow)],  # compiles CPU Adam
     ids=["bf16-ckpt-docmask", "offload"],
 )  # fmt: skip
@@ -461,4 +462,13 @@ def test_option_smoke(cache, tmp_path, extra):
         tmp_path / "run", 1, base(cache, "train.max_steps=3", "train.save_every=3", *extra)
     )
     m = metrics(tmp_path / "run")
-    assert len(m) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in m), p.stderr[-2000:]
+    profiled = "train.profile_step=2" in extra
+    # log_every=3 logs step 3 alone, and the profiled step 2 beside it
+    assert [r["step"] for r in m] == ([2, 3] if profiled else [1, 2, 3]), p.stderr[-2000:]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
+    if profiled:
+        assert [r.get("profiled", False) for r in m] == [True, False]
+        text = (tmp_path / "run" / "profile" / "step_2_rank0.txt").read_text()
+        assert text.startswith("step 2: ") and "top ops by host time" in text
+        assert "aten::mm" in text or "aten::addmm" in text or "aten::bmm" in text, text[:3000]
+        assert (tmp_path / "run" / "profile" / "step_2_rank0.trace.json.gz").stat().st_size > 0

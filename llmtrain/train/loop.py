@@ -30,7 +30,7 @@ from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
-from llmtrain.train import faults, health
+from llmtrain.train import faults, health, profiling
 from llmtrain.train.checkpointing import Checkpointer
 from llmtrain.train.evals import check_eval_tasks, periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
@@ -264,9 +264,18 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
     save_s = 0.0  # seconds spent saving since the last record, reported in the next one
     for step in range(run.start_step, t.max_steps):
         t0 = time.perf_counter()
-        record, step_loads = _step(run, step, nan_steps)
+        profiled = t.profile_step == step + 1
+        with profiling.step_profiler(profiled, device) as prof:
+            record, step_loads = _step(run, step, nan_steps)
+            if prof is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's kernels into the profile
         step_s = time.perf_counter() - t0  # tokens/s and MFU: the step alone
         done = step + 1
+        if prof is not None:
+            record["profiled"] = True  # its time includes the profiler's
+            if rank == 0:
+                path = profiling.write_step_profile(prof, run_dir, done, step_s)
+                logger.info("step %d profiled: %s (and its Chrome trace)", done, path)
         t1 = time.perf_counter()
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(
@@ -277,7 +286,8 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         record.update(evals)
         if "val_loss" in record or evals:
             record["eval_s"] = round(time.perf_counter() - t1, 3)
-        if done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals:
+        if (done % t.log_every == 0 or done == t.max_steps or "val_loss" in record or evals
+                or profiled):  # fmt: skip
             if save_s:
                 record["save_s"], save_s = round(save_s, 3), 0.0
             metrics.log(record, run.model, step_s, layout.tokens_per_step, step_loads)
