@@ -167,6 +167,29 @@ def _loss_worker(
     dist.destroy_process_group()
 
 
+def _sync_worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
+    """Counts device synchronisations inside the micro-batches that are not a step's last
+    (forward, backward, engine.step), after DeepSpeed's timers start (its global step 2)."""
+    _setup(rank, world, port, device)
+    from deepspeed.accelerator import get_accelerator
+
+    cfg, layout, model, eng = _engine("bf16", 1, world, 1, device=device)
+    acc, calls, inside = get_accelerator(), [], [False]
+    real = acc.synchronize
+    acc.synchronize = lambda *a, **k: (calls.append(inside[0]), real(*a, **k))[1]
+    dev = next(model.parameters()).device
+    for step in range(4):
+        eng.set_lr(1e-3)
+        data = _batches(cfg.model.vocab_size, step, layout.global_batch, cfg.train.seq_len)
+        for i, mb in enumerate(data.to(dev).split(layout.micro_batch)):
+            inside[0] = i < layout.grad_accum - 1
+            res = eng(mb[:, :-1], labels=mb[:, 1:], check_inputs=False)
+            eng.backward(res.loss)
+            eng.step()
+            inside[0] = False
+    Path(out, "syncs.json").write_text(json.dumps({"inside": sum(calls), "all": len(calls)}))
+
+
 def _spawn(fn, world: int, *args) -> None:
     from tests.train_utils import free_port, run_then_exit
 
@@ -248,3 +271,13 @@ def test_bf16_zero1_kill_and_resume_is_exact(tmp_path):
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(1, 9))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_engine_micro_batches_never_synchronise_the_device(tmp_path):
+    """DeepSpeed's throughput timer (on by default) synchronised the device at every forward
+    and engine.step(): the GPU drained twice a micro-batch. Off in our config, no micro-batch
+    but a step's last one synchronises."""
+    pytest.importorskip("deepspeed")
+    _spawn(_sync_worker, 1, str(tmp_path))
+    res = json.loads((tmp_path / "syncs.json").read_text())
+    assert res["inside"] == 0, res

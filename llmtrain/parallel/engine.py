@@ -291,6 +291,10 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
         "bf16": {"enabled": t.dtype == "bf16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every forward and every
+        # engine.step(): twice a micro-batch the GPU drains and idles while the host prepares
+        # the next one. The trainer times steps itself
+        "timers": {"throughput": {"enabled": False}},
     }
     if t.dtype == "bf16":
         ds["data_types"] = {"grad_accum_dtype": "fp32", "keep_in_fp32_modules": FP32_BUFFERS}
