@@ -169,7 +169,8 @@ def _loss_worker(
 
 def _sync_worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
     """Counts device synchronisations inside the micro-batches that are not a step's last
-    (forward, backward, engine.step), after DeepSpeed's timers start (its global step 2)."""
+    (forward, backward, engine.step) after the first step (DeepSpeed's timer started at its
+    global step 2); on CUDA any implicit sync in them raises."""
     _setup(rank, world, port, device)
     from deepspeed.accelerator import get_accelerator
 
@@ -182,10 +183,14 @@ def _sync_worker(rank: int, world: int, port: int, out: str, device: str = "cpu"
         eng.set_lr(1e-3)
         data = _batches(cfg.model.vocab_size, step, layout.global_batch, cfg.train.seq_len)
         for i, mb in enumerate(data.to(dev).split(layout.micro_batch)):
-            inside[0] = i < layout.grad_accum - 1
+            inside[0] = i < layout.grad_accum - 1 and step >= 1  # step 0: warm-up
+            if inside[0] and device == "cuda":  # implicit syncs too (.item(), D2H copies)
+                torch.cuda.set_sync_debug_mode("error")
             res = eng(mb[:, :-1], labels=mb[:, 1:], check_inputs=False)
             eng.backward(res.loss)
             eng.step()
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
             inside[0] = False
     Path(out, "syncs.json").write_text(json.dumps({"inside": sum(calls), "all": len(calls)}))
 
