@@ -73,11 +73,13 @@ export SMOKE
 CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
 WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
 GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-10} WARMUP_1B=3  # the 1B runs' batch
+STEPS_1B_EAGER=6
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3 WARMUP=1
   STEPS_1B=3 WARMUP_1B=0 GBS_1B=8  # no warm-up: the last step is profiled, 2 are left
+  STEPS_1B_EAGER=3
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -222,7 +224,8 @@ step setup 120 setup
 step prepare_data 120 prepare
 # the 1B runs at the config's own batch (256 x 2048 tokens, 32 micro-batches a step), as its
 # training would: the optimizer step is then 1/32 of the step's work, not 1/4 (the benchmark's
-# default of 32 sequences), and 10 steps take as long as 20 did there. The compiled run's last
+# default of 32 sequences); 10 such steps are 4x the tokens of 20 small ones (~40 s compiled;
+# the eager run, which only shows what compile buys, takes 6). The compiled run's last
 # step is profiled inside the trainer (DeepSpeed engine, optimizer, data: what the bare-model
 # profile leaves out), out of the medians; its summary lands in the JSON
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
@@ -239,7 +242,7 @@ MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "$
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
 MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
-  --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b_eager \
+  --steps "$STEPS_1B_EAGER" --warmup "$WARMUP_1B" --name moe_1b_eager \
   --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"

@@ -109,3 +109,11 @@ def test_trainer_compiled_run_tracks_eager(tmp_path, nproc, extra):
     # the MoE block at the MTP length. EP: the dense block, then per MoE layer attention, norm,
     # router, shared experts and the expert GEMMs, shared by the layers
     assert stats["graphs"] == (3 if nproc == 1 else 6), stats
+
+
+def test_compile_refuses_zero3_partitioned_parameters(debug_cfg):
+    """Compiled blocks and their fused GEMMs read weights outside ZeRO-3's gathering hooks."""
+    model = build_model(debug_cfg.model)
+    next(model.parameters()).ds_id = 0  # as deepspeed.zero.Init marks a partitioned parameter
+    with pytest.raises(ValueError, match="zero_stage=1 or 2"):
+        compile_blocks(model, expert_parallel=False)

@@ -39,7 +39,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         # gate and up in one GEMM (twice as wide: a shared expert's 768 columns run well below
-        # the GPU's matmul rate). Set by `train.compile`, never under ZeRO-3 (see MLA's)
+        # the GPU's matmul rate). Set by `train.compile` (then eval and generation take it too,
+        # same results), never under ZeRO-3 (see MLA's)
         self.fuse_gate_up = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

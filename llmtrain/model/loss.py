@@ -65,7 +65,9 @@ class _FusedLinearCE(torch.autograd.Function):
                 valid_N[s : s + chunk],
             )
             tgt_C = lab_C.clamp(min=0)
-            if fused:  # compiled: two kernels over the logits
+            if fused and h_CD.shape[0] == chunk:  # compiled: two kernels over the logits
+                # (full chunks only: one graph per run; a ragged last chunk, whose length
+                # changes with N, runs eager, as fullgraph=True fails at the recompile limit)
                 part, g_CV = _compiled_ce_chunk()(h_CD @ w_VD.t(), tgt_C, val_C, inv, h_ND.dtype)
                 total += part
             else:

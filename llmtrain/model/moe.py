@@ -51,8 +51,8 @@ class _GatherRows(torch.autograd.Function):
     """rows = x[idx] where idx reads every row of x `fold` times and back_idx[r·fold + j] is the
     position of row r's j-th copy: the backward is then a gather and a sum over the copies.
 
-    Autograd's own backward of x[idx] (or of index_add) scatters with atomics, and for an
-    index with repeats first sorts it: on an H200 the dispatch's gather-backward and the
+    Autograd's backward of x[idx] sorts the index and scatters, and the combine's index_add
+    forward scatters with atomics: on an H200 the dispatch's gather-backward and the
     combine's index_add took 16% of a 1B MoE's forward + backward (profile). A permutation's
     inverse is known here, so neither is needed, and the result is deterministic."""
 

@@ -58,6 +58,12 @@ def compile_for_training(mod: nn.Module, dynamic: bool = False) -> None:
 def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
     """Compile `model`'s decoder blocks (MTP blocks included) in place for training; returns
     what was compiled, by module name. Call before the training engine wraps the model."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # built under zero.Init
+        raise ValueError(
+            "compile_blocks: the model's parameters are ZeRO-3 partitioned; compiled blocks (and "
+            "their fused GEMMs, which read weights outside their modules' gathering hooks) need "
+            "parallel.zero_stage=1 or 2"
+        )
     done = []
     for name, layer in model.named_modules():
         if not isinstance(layer, DecoderLayer):

@@ -260,22 +260,29 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
     cfg, t, layout, run_dir = run.cfg, run.cfg.train, run.layout, run.run_dir
     rank, world, device = run.rank, run.world, run.device
     nan_steps = faults.nan_loss_steps()
+    if t.profile_step and not run.start_step < t.profile_step <= t.max_steps and rank == 0:
+        logger.warning(
+            "train.profile_step=%d is outside this run's steps %d..%d: nothing is profiled",
+            t.profile_step, run.start_step + 1, t.max_steps,
+        )  # fmt: skip
     final: dict[str, Any] = {}
     save_s = 0.0  # seconds spent saving since the last record, reported in the next one
     for step in range(run.start_step, t.max_steps):
         t0 = time.perf_counter()
         profiled = t.profile_step == step + 1
-        with profiling.step_profiler(profiled, device) as prof:
+        # rank 0 only: one trace says where a step's time goes; every rank tracing would hold
+        # the others in their next collective while each writes its own
+        with profiling.step_profiler(profiled and rank == 0, device) as prof:
             record, step_loads = _step(run, step, nan_steps)
             if prof is not None and device.type == "cuda":
                 torch.cuda.synchronize(device)  # the step's kernels into the profile
         step_s = time.perf_counter() - t0  # tokens/s and MFU: the step alone
         done = step + 1
-        if prof is not None:
+        if profiled:
             record["profiled"] = True  # its time includes the profiler's
-            if rank == 0:
-                path = profiling.write_step_profile(prof, run_dir, done, step_s)
-                logger.info("step %d profiled: %s (and its Chrome trace)", done, path)
+        if prof is not None:
+            path = profiling.write_step_profile(prof, run_dir, done, step_s)
+            logger.info("step %d profiled: %s (and its Chrome trace)", done, path)
         t1 = time.perf_counter()
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(

@@ -2,8 +2,8 @@
 
 Why: the bare model's forward + backward (benchmarks/gpu_profile.py) says what the kernels cost;
 a run also pays for the engine (DeepSpeed's hooks, fp32 gradient accumulation, the optimizer
-step), data and logging, which only a profile of a trainer's step shows. Rank 0 writes a text
-summary (GPU time by kernel kind, the top ops by device and by host time) and a Chrome trace
+step), data and logging, which only a profile of a trainer's step shows. Rank 0 is profiled
+and writes a text summary (GPU time by kernel kind, the top ops by device and by host time) and a Chrome trace
 under `<run_dir>/profile/`; the step's metrics record says `profiled` (its time includes the
 profiler's).
 """
