@@ -217,9 +217,9 @@ export PYTHONPATH=$PYTHONPATH:$SITE
 # reruns eager and says so), the kernels timed one by one (they bound the MFU and decide
 # attn_backend), then correctness in two steps (-v: each result is logged as it finishes,
 # should the step run out of time): the kernel tests, then the training ones (bf16 vs fp32,
-# NCCL save/resume); then the 100M figure, the 1B run eager (what compile buys, loss curves
-# compared) and the profile. A step with less budget left than it needs to finish is skipped,
-# not run; a rerun skips the steps that passed.
+# NCCL save/resume); then the 100M figure, the bare model's profile, and the 1B run eager
+# (what compile buys, loss curves compared; the least wanted, so last). A step with less budget
+# left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
 # the 1B runs at the config's own batch (256 x 2048 tokens, 32 micro-batches a step), as its
@@ -241,11 +241,11 @@ SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
+MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
+  --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
   --steps "$STEPS_1B_EAGER" --warmup "$WARMUP_1B" --name moe_1b_eager \
   --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
-MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
-  --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
 
 echo
 echo "================ gpu_check summary ($(($(date +%s) - T0))s of ${BUDGET}s budget) ================"
