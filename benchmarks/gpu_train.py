@@ -79,7 +79,8 @@ def main() -> None:
             "train.save_every=100000", "train.sample_tokens=0", "train.global_batch_size=32",
             "train.micro_batch_size=8", "train.seq_len=2048", "train.log_every=1",
             "train.dtype=bf16", "model.attn_backend=auto",
-            *([f"train.profile_step={args.steps}"] if args.profile else []),
+            *([f"train.profile_step={args.steps}", "train.profile_trace=false"]
+              if args.profile else []),
             *args.overrides]  # fmt: skip
     res: dict = {"name": name, "config": str(Path(args.config).name), "compile": args.compile}
     t0 = time.perf_counter()

@@ -278,6 +278,7 @@ class TrainConfig:
     tensorboard: bool = True
     sample_tokens: int = 64  # length of the text sample generated at the end (0: none)
     profile_step: int = 0  # profile this step (as logged, from 1) into run_dir/profile/ (0: none)
+    profile_trace: bool = True  # with it a Chrome trace (large for a step of many micro-batches)
     init_from: str = ""  # a Hugging Face DeepseekV3/V2 directory to continue pre-training from
     eval_tasks: list = field(default_factory=list)  # lm-evaluation-harness tasks run periodically
     eval_tasks_every: int = 0  # steps between those evaluations (0: with each train.eval_every)

@@ -281,8 +281,8 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         if profiled:
             record["profiled"] = True  # its time includes the profiler's
         if prof is not None:
-            path = profiling.write_step_profile(prof, run_dir, done, step_s)
-            logger.info("step %d profiled: %s (and its Chrome trace)", done, path)
+            path = profiling.write_step_profile(prof, run_dir, done, step_s, trace=t.profile_trace)
+            logger.info("step %d profiled: %s", done, path)
         t1 = time.perf_counter()
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(

@@ -102,12 +102,17 @@ def summary(prof, step: int, step_s: float, rows: int = 40) -> str:
     return "\n".join(lines)
 
 
-def write_step_profile(prof, run_dir: Path, step: int, step_s: float, rank: int = 0) -> Path:
-    """Write `profile/step_<step>_rank<rank>.txt` and its Chrome trace (gzip); returns the text."""
+def write_step_profile(
+    prof, run_dir: Path, step: int, step_s: float, rank: int = 0, trace: bool = True
+) -> Path:
+    """Write `profile/step_<step>_rank<rank>.txt` and (`trace`) its Chrome trace, gzipped;
+    returns the text file's path."""
     out = Path(run_dir) / "profile"
     out.mkdir(parents=True, exist_ok=True)
     text = out / f"step_{step}_rank{rank}.txt"
     text.write_text(summary(prof, step, step_s) + "\n")
+    if not trace:
+        return text
     raw = out / f"step_{step}_rank{rank}.trace.json"
     prof.export_chrome_trace(str(raw))
     with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
