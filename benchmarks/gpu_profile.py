@@ -115,9 +115,7 @@ def main() -> None:
     tokens = args.micro * args.seq
     flops = count(cfg.model, seq_len=args.seq).flops_per_token * tokens
     events = prof.key_averages()
-    # kernels only: a CPU op's row repeats the device time of the kernels it launched, and
-    # compiled code adds user-annotation rows on the GPU over its kernels
-    kinds = time_by_kind(events, per=args.steps)
+    kinds = time_by_kind(events, per=args.steps)  # GPU kernels only
     gpu_us = sum(kinds.values())
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
     runtime = "n/a on CPU"

@@ -5,8 +5,8 @@
 
 Runs the real trainer (DeepSpeed engine, ZeRO-1, fused AdamW) for `--steps` optimizer steps of
 32 x 2048 tokens (8 per micro-batch; `train.global_batch_size=256` to run a config's own batch)
-on the built-in corpus, drops the first `--warmup` steps (compilation,
-allocator growth) and reports medians over the rest. MFU is against the GPU's dense bf16 peak
+on the built-in corpus, drops the first `--warmup` steps (compilation, allocator growth) and
+reports medians over the rest. MFU is against the GPU's dense bf16 peak
 (llmtrain.train.metrics: 989 TFLOP/s for H100/H200) with the trainer's FLOPs per token (6 x
 active matmul parameters + attention). Writes JSON to --out, else $OUT/gpu_train_<name>.json
 when $OUT is set, else benchmarks/results/. Needs CUDA; exits 2 without it.

@@ -23,9 +23,9 @@
 # the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 10, at BENCH_GBS_1B sequences a
-# step, default 256 as in configs/moe_1b.yaml), GPU_CHECK_SKIP (step names to leave out on a rerun, e.g.
-# "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels tests_gpu
-# tests_gpu_train bench_moe_100m bench_moe_1b_eager profile_moe_1b; a rerun usually lands
+# step, default 256 as in configs/moe_1b.yaml), GPU_CHECK_SKIP (step names to leave out on a
+# rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels
+# tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b bench_moe_1b_eager; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail

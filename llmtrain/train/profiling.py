@@ -3,9 +3,9 @@
 Why: the bare model's forward + backward (benchmarks/gpu_profile.py) says what the kernels cost;
 a run also pays for the engine (DeepSpeed's hooks, fp32 gradient accumulation, the optimizer
 step), data and logging, which only a profile of a trainer's step shows. Rank 0 is profiled
-and writes a text summary (GPU time by kernel kind, the top ops by device and by host time) and a Chrome trace
-under `<run_dir>/profile/`; the step's metrics record says `profiled` (its time includes the
-profiler's).
+and writes a text summary (GPU time by kernel kind, the top ops by device and by host time) and,
+unless `train.profile_trace=false`, a Chrome trace under `<run_dir>/profile/`; the step's
+metrics record says `profiled` (its time includes the profiler's).
 """
 
 from __future__ import annotations
@@ -102,18 +102,16 @@ def summary(prof, step: int, step_s: float, rows: int = 40) -> str:
     return "\n".join(lines)
 
 
-def write_step_profile(
-    prof, run_dir: Path, step: int, step_s: float, rank: int = 0, trace: bool = True
-) -> Path:
-    """Write `profile/step_<step>_rank<rank>.txt` and (`trace`) its Chrome trace, gzipped;
+def write_step_profile(prof, run_dir: Path, step: int, step_s: float, trace: bool = True) -> Path:
+    """Write rank 0's `profile/step_<step>_rank0.txt` and (`trace`) its Chrome trace, gzipped;
     returns the text file's path."""
     out = Path(run_dir) / "profile"
     out.mkdir(parents=True, exist_ok=True)
-    text = out / f"step_{step}_rank{rank}.txt"
+    text = out / f"step_{step}_rank0.txt"
     text.write_text(summary(prof, step, step_s) + "\n")
     if not trace:
         return text
-    raw = out / f"step_{step}_rank{rank}.trace.json"
+    raw = out / f"step_{step}_rank0.trace.json"
     prof.export_chrome_trace(str(raw))
     with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
