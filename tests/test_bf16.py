@@ -195,6 +195,25 @@ def _sync_worker(rank: int, world: int, port: int, out: str, device: str = "cpu"
     Path(out, "syncs.json").write_text(json.dumps({"inside": sum(calls), "all": len(calls)}))
 
 
+def _accum_worker(rank: int, world: int, port: int, ours: bool, out: str) -> None:
+    """bf16 ZeRO-1 steps with our one-pass gradient accumulation and without all-reduce over
+    one rank (`ours`), or with DeepSpeed's own methods for both."""
+    _setup(rank, world, port)
+    cfg, layout, model, eng = _engine("bf16", 1, world, 1)
+    res = {"installed": "_update_hp_grad" in vars(eng.optimizer),
+           "allreduce": eng.engine.enable_backward_allreduce}  # fmt: skip
+    if not ours:
+        del eng.optimizer._update_hp_grad  # back to the class's method
+        eng.engine.enable_backward_allreduce = True
+    res["losses"] = _train_steps(cfg, layout, model, eng, 3, rank)
+    res["norm"] = eng.grad_norm()
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    w = torch.cat([safe_get_full_fp32_param(p).flatten() for p in model.parameters()])
+    res["weights"] = w.double().sum().item(), w.abs().double().sum().item()
+    Path(out, f"{'ours' if ours else 'deepspeed'}.json").write_text(json.dumps(res))
+
+
 def _spawn(fn, world: int, *args) -> None:
     from tests.train_utils import free_port, run_then_exit
 
@@ -286,3 +305,17 @@ def test_engine_micro_batches_never_synchronise_the_device(tmp_path):
     _spawn(_sync_worker, 1, str(tmp_path))
     res = json.loads((tmp_path / "syncs.json").read_text())
     assert res["inside"] == 0, res
+
+
+def test_one_pass_accumulation_is_deepspeeds_to_the_bit(tmp_path):
+    """Engine.accumulate_in_place (bf16 gradients added into the fp32 accumulator without a
+    temporary copy) and no all-reduce over one rank leave losses, norms and master weights
+    exactly as DeepSpeed's own methods do."""
+    pytest.importorskip("deepspeed")
+    for ours in (True, False):
+        _spawn(_accum_worker, 1, ours, str(tmp_path))
+    a = json.loads((tmp_path / "ours.json").read_text())
+    b = json.loads((tmp_path / "deepspeed.json").read_text())
+    assert a["installed"] and not a["allreduce"]
+    assert a["losses"][-1] < a["losses"][0]
+    assert (a["losses"], a["norm"], a["weights"]) == (b["losses"], b["norm"], b["weights"])

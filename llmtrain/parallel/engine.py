@@ -344,6 +344,46 @@ def refresh_fp32_routers(model: nn.Module) -> None:
                 gate.set_fp32_weight(w)
 
 
+def accumulate_in_place(optimizer) -> bool:
+    """Make DeepSpeed's BF16_Optimizer add each micro-batch's bf16 gradient into its fp32
+    accumulator in one pass; returns whether it did.
+
+    Its hook (bf16_optimizer.py `_update_hp_grad`, 0.19.8) runs `hp.add_(lp.grad.to(fp32))`:
+    a temporary fp32 copy of every gradient, written and read again, 18 bytes moved per
+    parameter per micro-batch where an add that reads the bf16 gradient directly moves 10
+    (on a GPU the mixed-dtype add casts as it loads; 8 GB less traffic per micro-batch at 1B
+    parameters). The sum is the same to the bit: bf16 -> fp32 is exact either way.
+    Anything other than the plain single-copy case (AutoEP's tensor-parallel folding) keeps
+    DeepSpeed's own method."""
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:  # pragma: no cover - deepspeed is a training dependency
+        return False
+    if not isinstance(optimizer, BF16_Optimizer) or not all(
+        hasattr(optimizer, a) for a in ("fp32_groups_gradients", "fp32_groups_has_gradients")
+    ):
+        return False
+    if getattr(optimizer, "autoep_folding_tp_group", None) is not None:
+        return False
+    original = optimizer._update_hp_grad
+
+    @torch.no_grad()
+    def update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
+        if lp.grad is None:
+            return
+        hp_grad = optimizer.fp32_groups_gradients[group_idx][param_idx]
+        if hp_grad is None:
+            return original(lp, group_idx, param_idx, clear_lp_grads)  # its assertion
+        hp_grad.add_(lp.grad.view(hp_grad.shape))
+        lp._hp_grad = hp_grad
+        optimizer.fp32_groups_has_gradients[group_idx][param_idx] = True
+        if clear_lp_grads:
+            lp.grad.zero_()
+
+    optimizer._update_hp_grad = update_hp_grad  # the instance's: the hooks call self._update_hp_grad
+    return True
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -384,6 +424,11 @@ class Engine:
         )
         keep_routing_fp32(model, fp32_routers)
         self.zero_stage = effective_zero_stage(cfg, layout)
+        accumulate_in_place(self.optimizer)
+        if layout.world_size == 1:
+            # DeepSpeed still "reduces" over one rank at every step (ZeRO-0/1: copy the fp32
+            # gradients into 2 GB buckets, scale by 1/1, copy back); over one rank it is the identity
+            self.engine.enable_backward_allreduce = False
         self._norm: float | None = None
         if self.zero_stage != layout.zero_stage:
             logger.info(
