@@ -262,7 +262,7 @@ def matmul_rows(cfg, tokens: int, dev: str, sync, deadline: float, totals: dict)
     for m in inv:
         rows, scale, how = m.m, float(m.count), ""
         if m.name == "lm_head":  # the fused loss runs the head in chunks of tokens
-            rows = min(m.m, _chunk_rows(cfg.model.vocab_size, torch.device(dev)))
+            rows = min(m.m, _chunk_rows(cfg.model.vocab_size, torch.device(dev), m.m))
             scale, how = m.count * m.m / rows, f" ({rows}-row chunks)"
         label = f"{m.name}{how}"
         shape = f"{rows}x{m.k}x{m.n}" + (f" /{m.groups}" if m.groups > 1 else "")

@@ -96,6 +96,8 @@ def main() -> None:
         res["step_profile"] = prof
         print(prof[:20000], flush=True)
     res["overrides"] = [f"train.max_steps={args.steps}", *over]
+    modes = [o.split("=", 1)[1] for o in over if o.startswith("train.compile_mode=")]
+    res["compile_mode"] = (modes[-1] if modes else "default") if res["compile"] else None
     res["sequences_per_step"] = int(  # the last override wins, as in the trainer
         [o for o in over if o.startswith("train.global_batch_size=")][-1].split("=")[1]
     )
@@ -139,6 +141,7 @@ def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     from llmtrain.config import load_config
     from llmtrain.model.attention import flash_attn_available
 
+    over = [o for o in over if not o.startswith("train.compile_mode=")]  # (needs compile=true)
     try:
         cfg = load_config(args.config, over)
         t = cfg.train
@@ -167,6 +170,8 @@ def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, 
     """One `llmtrain train` run; returns (step records, return code or "timeout", log tail,
     the profiled step's summary or "")."""
     run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
+    if not compile:  # an eager run (or the fallback of a failed compiled one) has no mode
+        over = [o for o in over if not o.startswith("train.compile_mode=")]
     over = [f"train.max_steps={args.steps}", *over, f"train.compile={str(compile).lower()}"]
     cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
-# configs/moe_100m.yaml with train.compile=true, the 1B one again eager (what compile buys), the
+# configs/moe_100m.yaml with train.compile=true, the 1B one again with CUDA graphs
+# (train.compile_mode=reduce-overhead: what the host's launch overhead costs), the
 # step's kernels timed one by one at the 1B shapes (the device's matmul and copy ceilings, every
 # weight matmul, the attention kernels: which one attn_backend should take, and the MFU bound
 # that those kernels leave), and a kernel profile of the compiled 1B model's step. Every step
@@ -23,9 +24,10 @@
 # the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
 # BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 10, at BENCH_GBS_1B sequences a
-# step, default 256 as in configs/moe_1b.yaml), GPU_CHECK_SKIP (step names to leave out on a
+# step, default 256 as in configs/moe_1b.yaml, and BENCH_MICRO_1B a micro-batch, default 16 as
+# there), GPU_CHECK_SKIP (step names to leave out on a
 # rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels
-# tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b bench_moe_1b_eager; a rerun usually lands
+# tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b bench_moe_1b_graphs; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
@@ -73,13 +75,14 @@ export SMOKE
 CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
 WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
 GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-10} WARMUP_1B=3  # the 1B runs' batch
-STEPS_1B_EAGER=6
+MICRO_1B=${BENCH_MICRO_1B:-16}
+STEPS_1B_GRAPHS=6 GRAPHS=(--compile train.compile_mode=reduce-overhead)
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3 WARMUP=1
-  STEPS_1B=3 WARMUP_1B=0 GBS_1B=8  # no warm-up: the last step is profiled, 2 are left
-  STEPS_1B_EAGER=3
+  STEPS_1B=3 WARMUP_1B=0 GBS_1B=8 MICRO_1B=4  # no warm-up: the last step is profiled, 2 left
+  STEPS_1B_GRAPHS=3 GRAPHS=()
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -217,20 +220,21 @@ export PYTHONPATH=$PYTHONPATH:$SITE
 # reruns eager and says so), the kernels timed one by one (they bound the MFU and decide
 # attn_backend), then correctness in two steps (-v: each result is logged as it finishes,
 # should the step run out of time): the kernel tests, then the training ones (bf16 vs fp32,
-# NCCL save/resume); then the 100M figure, the bare model's profile, and the 1B run eager
-# (what compile buys, loss curves compared; the least wanted, so last). A step with less budget
+# NCCL save/resume); then the 100M figure, the bare model's profile, and the 1B run with CUDA
+# graphs (whether the host's kernel launches hold the GPU back; loss curves compared; the least
+# wanted, so last). A step with less budget
 # left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
-# the 1B runs at the config's own batch (256 x 2048 tokens, 32 micro-batches a step), as its
-# training would: the optimizer step is then 1/32 of the step's work, not 1/4 (the benchmark's
-# default of 32 sequences); 10 such steps are 4x the tokens of 20 small ones (~40 s compiled;
-# the eager run, which only shows what compile buys, takes 6). The compiled run's last
+# the 1B runs at the config's own batch (256 x 2048 tokens, 16 micro-batches of 16 a step), as
+# its training would: the optimizer step is then 1/16 of the step's work, not 1/4 (the
+# benchmark's default of 32 sequences in micro-batches of 8); 10 such steps are 8x the tokens of
+# 20 small ones (the CUDA-graph run takes 6). The compiled run's last
 # step is profiled inside the trainer (DeepSpeed engine, optimizer, data: what the bare-model
 # profile leaves out), out of the medians; its summary lands in the JSON
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
   --profile --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" \
-  "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
+  "${SMALL[@]}" "train.global_batch_size=$GBS_1B" "train.micro_batch_size=$MICRO_1B"
 MIN=30 step kernels 100 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
   --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
@@ -243,9 +247,10 @@ MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "$
   "${SMALL[@]}"
 MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
   --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
-MIN=60 step bench_moe_1b_eager 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
-  --steps "$STEPS_1B_EAGER" --warmup "$WARMUP_1B" --name moe_1b_eager \
-  --out "$OUT/gpu_train_moe_1b_eager.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B"
+MIN=60 step bench_moe_1b_graphs 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
+  --steps "$STEPS_1B_GRAPHS" --warmup "$WARMUP_1B" --name moe_1b_graphs \
+  --out "$OUT/gpu_train_moe_1b_graphs.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B" \
+  "train.micro_batch_size=$MICRO_1B" "${GRAPHS[@]}"
 
 echo
 echo "================ gpu_check summary ($(($(date +%s) - T0))s of ${BUDGET}s budget) ================"
@@ -287,7 +292,7 @@ for f in sorted(out.glob("gpu_train_*.json")):
     r = json.loads(f.read_text())
     rows.append(r)
 if rows:
-    # loss at the first and last step: compiled and eager 1B runs see the same data and seed
+    # loss at the first and last step: the two 1B runs see the same data and seed
     print(f"\n{'run':<14} {'compile':>7} {'seq/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'peak GiB':>9} {'rc':>7}  loss first -> last")
     for r in rows:
@@ -306,17 +311,18 @@ if rows:
     sp = by.get("moe_1b", {}).get("step_profile")
     if sp:  # where a whole trainer step's time goes, next to the bare model's forward + backward
         print("moe_1b trainer step profile: " + "\n  ".join(sp.splitlines()[:2]))
-    c, e = by.get("moe_1b", {}), by.get("moe_1b_eager", {})
+    c, e = by.get("moe_1b", {}), by.get("moe_1b_graphs", {})
     if bound and isinstance(c.get("mfu"), (int, float)):  # how far the step is from its kernels
         print(f"moe_1b MFU {100 * c['mfu']:.3g}% against the kernels' bound {100 * bound:.3g}%: "
               f"{c['mfu'] / bound:.0%} of it (the rest: kernels other than matmul and attention, "
               f"gaps, the optimizer)")
     a, b = c.get("losses") or [], e.get("losses") or []
-    if c.get("compile_error"):
-        print("moe_1b compiled vs eager: no comparison, the compiled run fell back to eager")
-    elif a and b:  # the same data and seed: compiled and eager should train alike (bf16 noise)
+    if c.get("compile_error") or e.get("compile_error"):
+        print("moe_1b compiled vs CUDA graphs: no comparison, a compiled run fell back to eager")
+    elif a and b:  # the same data, seed and kernels: replayed graphs should train alike
         d = max(abs(x - y) for x, y in zip(a, b))
-        print(f"moe_1b compiled vs eager: max |loss difference| {d:.4f} over {min(len(a), len(b))} steps")
+        print(f"moe_1b compiled vs CUDA graphs: max |loss difference| {d:.4f} over "
+              f"{min(len(a), len(b))} steps")
 EOF
 echo "log: $LOG"
 if ((fail)); then  # after fixing what failed: run only the rest, within the device time left

@@ -29,6 +29,9 @@ ATTN_BACKENDS = ("auto", "sdpa", "flash", "reference")
 MOE_IMPLS = ("auto", "grouped_mm", "loop")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 class ConfigError(LlmtrainError, ValueError):
     """A config value is wrong; the message names the field and what to change."""
 
@@ -273,6 +276,10 @@ class TrainConfig:
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder block (llmtrain.train.compile); ZeRO 1-2
+    # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: one launch
+    # per block's forward / backward, for when the host cannot keep the GPU fed) |
+    # max-autotune | max-autotune-no-cudagraphs (GEMM autotuning: minutes more compiling)
+    compile_mode: str = "default"
     offload_optimizer: bool = False
     peak_flops: float = 0.0  # per device, for MFU; 0 measures a matmul ceiling at start
     tensorboard: bool = True
@@ -410,6 +417,16 @@ class Config:
                 "train.compile=true with parallel.zero_stage=3: ZeRO-3 gathers each weight in "
                 "module hooks that compiled code cannot run, so every block would break into "
                 "eager pieces; use parallel.zero_stage=1 or 2 with compile, or train.compile=false"
+            )
+        if self.train.compile_mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"train.compile_mode={self.train.compile_mode!r}: use one of "
+                f"{', '.join(COMPILE_MODES)}"
+            )
+        if self.train.compile_mode != "default" and not self.train.compile:
+            raise ConfigError(
+                f"train.compile_mode={self.train.compile_mode} without train.compile=true compiles "
+                "nothing; add train.compile=true, or drop train.compile_mode"
             )
         if self.train.compile and self.train.dtype != "bf16" and self.model.n_routed_experts:
             raise ConfigError(

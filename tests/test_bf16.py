@@ -9,6 +9,7 @@ bf16 run's loss tracks the fp32 run's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -214,6 +215,15 @@ def _accum_worker(rank: int, world: int, port: int, ours: bool, out: str) -> Non
     Path(out, f"{'ours' if ours else 'deepspeed'}.json").write_text(json.dumps(res))
 
 
+def _one_rank_worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
+    _setup(rank, world, port)
+    cfg, layout, model, eng = _engine("bf16", stage, world, 1)
+    losses = _train_steps(cfg, layout, model, eng, 3, rank)
+    res = {"losses": losses, "norm": eng.grad_norm(),
+           "allreduce": eng.engine.enable_backward_allreduce}  # fmt: skip
+    Path(out, f"stage{stage}.json").write_text(json.dumps(res))
+
+
 def _spawn(fn, world: int, *args) -> None:
     from tests.train_utils import free_port, run_then_exit
 
@@ -319,3 +329,15 @@ def test_one_pass_accumulation_is_deepspeeds_to_the_bit(tmp_path):
     assert a["installed"] and not a["allreduce"]
     assert a["losses"][-1] < a["losses"][0]
     assert (a["losses"], a["norm"], a["weights"]) == (b["losses"], b["norm"], b["weights"])
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"zero{s}")
+def test_one_rank_partitioning_stages_keep_their_reduction(tmp_path, stage):
+    """On one rank the reduction is skipped only for optimizers whose reduction is a plain
+    all-reduce: ZeRO-2/3 partition their gradients in that call (skipped, ZeRO-3's step failed
+    with a KeyError)."""
+    pytest.importorskip("deepspeed")
+    _spawn(_one_rank_worker, 1, stage, str(tmp_path))
+    res = json.loads((tmp_path / f"stage{stage}.json").read_text())
+    assert res["allreduce"] and all(map(math.isfinite, [*res["losses"], res["norm"]])), res
+    assert res["losses"][-1] < res["losses"][0], res

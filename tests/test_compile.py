@@ -84,7 +84,8 @@ def _losses(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc,extra",
-    [(1, ["train.activation_checkpointing=true", "data.doc_mask=true", "model.mtp_depth=1"]),
+    [(1, ["train.activation_checkpointing=true", "data.doc_mask=true", "model.mtp_depth=1",
+          "train.compile_mode=reduce-overhead"]),  # CUDA graphs' step marks (none on CPU)
      (2, ["parallel.ep_size=2", "parallel.zero_stage=2"])],
     ids=["1rank-ckpt-docmask-mtp", "2ranks-ep2-zero2"],
 )  # fmt: skip
@@ -95,14 +96,18 @@ def test_trainer_compiled_run_tracks_eager(tmp_path, nproc, extra):
     over = ["train.max_steps=8", "train.warmup_steps=2", "train.dtype=bf16", "train.seq_len=64",
             "train.sample_tokens=0", "train.eval_every=4", "train.tensorboard=false",
             f"data.cache_dir={tmp_path / 'cache'}", *extra]  # fmt: skip
+    compiled_extra = [o for o in over if o.startswith("train.compile_mode")]
+    over = [o for o in over if not o.startswith("train.compile_mode")]
     run_train(tmp_path / "eager", nproc, [*over, "train.save_final=false"])
     assert not list((tmp_path / "eager" / "checkpoints").glob("step_*"))  # as benchmarks run
-    p = run_train(tmp_path / "compiled", nproc, [*over, "train.compile=true"])
+    p = run_train(tmp_path / "compiled", nproc, [*over, "train.compile=true", *compiled_extra])
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     diff = [abs(a - b) for a, b in zip(eager, compiled)]
     assert len(compiled) == 8 and max(diff) < EARLY_ATOL, (eager, compiled)
     found = re.search(r"torch.compile on rank 0: (\{.*?\})", p.stdout + p.stderr)
     assert found, (p.stdout[-2000:], p.stderr[-2000:])
+    mode = compiled_extra[0].split("=")[1] if compiled_extra else "default"
+    assert f"torch.compile (mode {mode}):" in p.stdout + p.stderr
     stats = json.loads(found.group(1).replace("'", '"'))
     assert stats["graph_breaks"] == 0, stats
     # 1 rank: the dense block, the MoE block (checkpointed: its recompute reuses the graph) and

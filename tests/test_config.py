@@ -77,6 +77,13 @@ def test_unknown_rope_type_and_cross_section_checks():
         load_config(None, ["parallel.zero_stage=3", "train.compile=true", "train.dtype=bf16"])
     with pytest.raises(ConfigError, match="train.compile=true with train.dtype=fp32"):
         load_config(None, ["train.compile=true", "train.dtype=fp32"])
+    with pytest.raises(ConfigError, match="train.compile_mode='fast': use one of default"):
+        load_config(None, ["train.compile=true", "train.compile_mode=fast"])
+    with pytest.raises(ConfigError, match="add train.compile=true"):
+        load_config(None, ["train.compile_mode=reduce-overhead"])
+    load_config(
+        None, ["train.compile=true", "train.dtype=bf16", "train.compile_mode=reduce-overhead"]
+    )
 
 
 def test_bad_config_fails_before_any_allocation():

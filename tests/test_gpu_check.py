@@ -27,13 +27,15 @@ def test_gpu_train_reruns_eager_when_the_compiled_run_fails(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_train.py", "--cpu", "--compile", "--config",
            "configs/debug.yaml", "--steps", "2", "--warmup", "0", "--out", str(out),
            "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
-           f"data.cache_dir={tmp_path / 'cache'}", "parallel.zero_stage=3"]  # fmt: skip
+           f"data.cache_dir={tmp_path / 'cache'}", "parallel.zero_stage=3",
+           "train.compile_mode=reduce-overhead"]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     env.pop("STEP_LIMIT", None)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     r = json.loads(out.read_text())
     assert r["compile"] is False and r["steps_logged"] == 2 and r["returncode"] == 0, r
+    assert r["compile_mode"] is None  # the eager rerun dropped the mode (else a config error)
     assert "train.compile=true with parallel.zero_stage=3" in r["compile_error"], r
 
 
@@ -52,10 +54,10 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # at most 8 files come back from the device machine
     assert names == ["gpu_check.log", "gpu_kernels_moe_1b.txt", "gpu_profile_moe_1b.txt",
                      "gpu_train_moe_100m.json", "gpu_train_moe_1b.json",
-                     "gpu_train_moe_1b_eager.json", "tests_gpu.xml",
+                     "gpu_train_moe_1b_graphs.json", "tests_gpu.xml",
                      "tests_gpu_train.xml"], names  # fmt: skip
     rows = [json.loads(f.read_text()) for f in sorted(out.glob("gpu_train_*.json"))]
-    assert [r["name"] for r in rows] == ["moe_100m", "moe_1b", "moe_1b_eager"]
+    assert [r["name"] for r in rows] == ["moe_100m", "moe_1b", "moe_1b_graphs"]
     for r in rows:
         assert r["returncode"] == 0 and r["steps_logged"] >= 3 and r["steady_steps"] >= 2, r
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, r
@@ -63,7 +65,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         assert r["predicted_memory_gib"] > 0 and r["predicted_parts_gib"]["activations"] > 0, r
     summary = log[log.index("gpu_check summary") :]
     steps = ("setup", "prepare_data", "bench_moe_1b", "kernels", "tests_gpu", "tests_gpu_train",
-             "bench_moe_100m", "bench_moe_1b_eager", "profile_moe_1b")  # fmt: skip
+             "bench_moe_100m", "bench_moe_1b_graphs", "profile_moe_1b")  # fmt: skip
     for step in steps:
         assert f"\n{step} " in summary and "timeout" not in summary, summary
     # tests/gpu collected by both pytest steps
@@ -86,8 +88,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     )
     assert "peak memory predicted" in summary
     assert "moe_1b trainer step profile: step 3: " in summary  # the last step, in the trainer
-    # the compiled-vs-eager comparison; in smoke mode both runs are eager, hence equal
-    assert "moe_1b compiled vs eager: max |loss difference| 0.0000 over 3 steps" in summary
+    # the compiled-vs-CUDA-graphs comparison; in smoke mode both runs are eager, hence equal
+    assert "moe_1b compiled vs CUDA graphs: max |loss difference| 0.0000 over 3 steps" in summary
 
 
 def test_profile_sorts_cuda_kernels_by_kind():
@@ -175,7 +177,7 @@ def test_gpu_check_fails_a_step_the_budget_leaves_out_and_says_how_to_rerun(tmp_
     """A step the budget cannot fit fails the check (no figure is not a pass), and the summary
     ends with the rerun that leaves out what passed (set-up and data always run again)."""
     out = tmp_path / "out"
-    done = "bench_moe_1b kernels tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_eager"
+    done = "bench_moe_1b kernels tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_graphs"
     env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
                LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="45",
                GPU_CHECK_SKIP=done, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip

@@ -8,7 +8,7 @@ from llmtrain.model.loss import LMHead, chunked_cross_entropy
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_head_ce_matches_plain_loss_and_grads(dtype, monkeypatch):
     monkeypatch.setattr(
-        "llmtrain.model.loss._chunk_rows", lambda v, device=None: 7
+        "llmtrain.model.loss._chunk_rows", lambda v, device=None, n=0: 7
     )  # ragged chunks
     torch.manual_seed(0)
     head = LMHead(16, 50).to(dtype)
@@ -37,6 +37,15 @@ def test_chunk_size_by_device():
     assert cpu == _chunk_rows(32000) == (1 << 22) // 32000  # CPU keeps its tuned size
     assert gpu % 128 == 0 and gpu >= 8 * cpu
     assert _chunk_rows(10**7, torch.device("cuda")) == 128  # never below one tile of rows
+    cuda = torch.device("cuda")
+    # given the token count, CUDA chunks divide it (no ragged, eager last chunk), <= 1.25 x
+    for v, n in [(32000, 16384), (32000, 32768), (129280, 16384), (102400, 8192), (50257, 4096)]:
+        rows = _chunk_rows(v, cuda, n)
+        assert n % rows == 0 and rows % 128 == 0, (v, n, rows)
+        assert _chunk_rows(v, cuda) // 2 < rows <= 1.25 * _chunk_rows(v, cuda), (v, n, rows)
+    assert _chunk_rows(32000, cuda, 16384) == 2048
+    assert _chunk_rows(32000, cuda, 1000) == _chunk_rows(32000, cuda)  # not a multiple of 128
+    assert _chunk_rows(32000, torch.device("cpu"), 16384) == cpu  # CPU: unchanged
 
 
 @pytest.mark.parametrize("compiled", [False, True])

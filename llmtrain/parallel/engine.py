@@ -380,7 +380,8 @@ def accumulate_in_place(optimizer) -> bool:
         if clear_lp_grads:
             lp.grad.zero_()
 
-    optimizer._update_hp_grad = update_hp_grad  # the instance's: the hooks call self._update_hp_grad
+    # the instance's: the hooks call self._update_hp_grad
+    optimizer._update_hp_grad = update_hp_grad
     return True
 
 
@@ -424,10 +425,11 @@ class Engine:
         )
         keep_routing_fp32(model, fp32_routers)
         self.zero_stage = effective_zero_stage(cfg, layout)
-        accumulate_in_place(self.optimizer)
-        if layout.world_size == 1:
-            # DeepSpeed still "reduces" over one rank at every step (ZeRO-0/1: copy the fp32
-            # gradients into 2 GB buckets, scale by 1/1, copy back); over one rank it is the identity
+        bf16_optimizer = accumulate_in_place(self.optimizer)
+        if layout.world_size == 1 and (self.zero_stage == 0 or bf16_optimizer):
+            # Their reduction over one rank is the identity, yet it copies every fp32 gradient
+            # into 2 GB buckets, scales it by 1/1 and copies it back at each step. (ZeRO-1/2/3
+            # optimizers do more in that call, partitioning their gradients: they keep it.)
             self.engine.enable_backward_allreduce = False
         self._norm: float | None = None
         if self.zero_stage != layout.zero_stage:

@@ -35,16 +35,16 @@ from llmtrain.model.transformer import DecoderLayer
 logger = logging.getLogger(__name__)
 
 
-def compile_for_training(mod: nn.Module, dynamic: bool = False) -> None:
+def compile_for_training(mod: nn.Module, dynamic: bool = False, mode: str = "default") -> None:
     """Replace `mod.forward` by a compiled one that runs in training mode only.
 
     Evaluation and generation (eval mode, a KV cache, batch shapes that change per request)
     keep the eager forward: compiled, each new shape would recompile until torch gives up.
     Module hooks (the training engine's) stay outside the compiled region. Static shapes by
     default: a training run's shapes are fixed (an MTP depth's shorter length compiles once
-    more), and static graphs get the better kernels."""
+    more), and static graphs get the better kernels. `mode` is torch.compile's."""
     eager = mod.forward
-    compiled = torch.compile(eager, dynamic=dynamic)
+    compiled = torch.compile(eager, dynamic=dynamic, mode=None if mode == "default" else mode)
 
     def forward(*args, **kwargs):
         cached = any(isinstance(a, MLACache) for a in (*args, *kwargs.values()))
@@ -55,9 +55,20 @@ def compile_for_training(mod: nn.Module, dynamic: bool = False) -> None:
     mod.forward = forward
 
 
-def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
+def uses_cuda_graphs(mode: str) -> bool:
+    """Whether torch.compile's `mode` records CUDA graphs (on CUDA; CPU runs them as compiled)."""
+    return mode in ("reduce-overhead", "max-autotune")
+
+
+def compile_blocks(model: nn.Module, expert_parallel: bool, mode: str = "default") -> list[str]:
     """Compile `model`'s decoder blocks (MTP blocks included) in place for training; returns
-    what was compiled, by module name. Call before the training engine wraps the model."""
+    what was compiled, by module name. Call before the training engine wraps the model.
+
+    `mode` (train.compile_mode) is torch.compile's. With CUDA graphs each block's forward and
+    backward replay as one graph launch; every row count in a block on one rank is fixed (T·K
+    routed rows), so one recording serves every step. Under expert parallelism the expert GEMMs
+    (rows received change every step) keep the default mode: a graph per row count would be
+    re-recorded without end."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # built under zero.Init
         raise ValueError(
             "compile_blocks: the model's parameters are ZeRO-3 partitioned; compiled blocks (and "
@@ -75,12 +86,12 @@ def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
                      "mlp.gate": moe.gate, "mlp.shared_experts": moe.shared_experts}  # fmt: skip
             for part, mod in parts.items():
                 if mod is not None:
-                    compile_for_training(mod)
+                    compile_for_training(mod, mode=mode)
                     done.append(f"{name}.{part}")
             compile_for_training(moe.experts, dynamic=True)  # rows received differ every step
             done.append(f"{name}.mlp.experts")
         else:
-            compile_for_training(layer)
+            compile_for_training(layer, mode=mode)
             done.append(name)
     for mod in model.modules():
         if isinstance(mod, LMHead):  # its chunks' softmax + gradient (CUDA; see LMHead)
@@ -90,7 +101,8 @@ def compile_blocks(model: nn.Module, expert_parallel: bool) -> list[str]:
         elif isinstance(mod, MLP):  # one GEMM for gate and up
             mod.fuse_gate_up = True
     if done:
-        logger.info("torch.compile: %d regions (%s ... %s)", len(done), done[0], done[-1])
+        logger.info("torch.compile (mode %s): %d regions (%s ... %s)", mode, len(done), done[0],
+                    done[-1])  # fmt: skip
     return done
 
 

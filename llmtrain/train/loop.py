@@ -32,6 +32,7 @@ from llmtrain.parallel import comm
 from llmtrain.parallel.layout import make_layout
 from llmtrain.train import faults, health, profiling
 from llmtrain.train.checkpointing import Checkpointer
+from llmtrain.train.compile import uses_cuda_graphs
 from llmtrain.train.evals import check_eval_tasks, periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
@@ -397,7 +398,7 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     if t.compile:
         from llmtrain.train.compile import compile_blocks
 
-        compile_blocks(model, expert_parallel=run.layout.ep_size > 1)
+        compile_blocks(model, expert_parallel=run.layout.ep_size > 1, mode=t.compile_mode)
     run.model, run.engine = model, Engine(model, cfg, run.layout)
     run.grad_fault = faults.GradFault(model, run.rank)  # LLMTRAIN_FAULT_GRAD_STEPS (tests)
     run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
@@ -440,9 +441,12 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     # loop makes the host wait for the GPU, so it prepares the next micro-batch meanwhile.
     stats = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, aux loss
     engine.set_lr(lr)
+    graphs = cfg.train.compile and uses_cuda_graphs(cfg.train.compile_mode)
     for mb in micro:
         x, y = run.train_ds.batch(mb)
         x, y = _to_device(x, device), _to_device(y, device)
+        if graphs:  # the last micro-batch's graph outputs are consumed: their memory may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         mask = DocumentMask.from_eos(x, run.train_ds.eos_id) if cfg.data.doc_mask else None
         out = engine(
             x, labels=y, attention_mask=mask, check_inputs=False
