@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-GPU check of llmtrain, in under 8 minutes: set-up, tests/gpu, and the training benchmark
 # (tokens/s, MFU against the GPU's dense bf16 peak, peak memory) for configs/moe_1b.yaml and
-# configs/moe_100m.yaml with train.compile=true, the 1B one again with CUDA graphs
-# (train.compile_mode=reduce-overhead: what the host's launch overhead costs), the
-# step's kernels timed one by one at the 1B shapes (the device's matmul and copy ceilings, every
-# weight matmul, the attention kernels: which one attn_backend should take, and the MFU bound
-# that those kernels leave), and a kernel profile of the compiled 1B model's step. Every step
+# configs/moe_100m.yaml with train.compile=true (the 1B run with a profile of one trainer step:
+# GPU time by kernel kind, how busy the GPU was), configs/moe_1b_wide.yaml (the same parameters at
+# width 2048), the 1B one again with CUDA graphs (train.compile_mode=reduce-overhead: what the
+# host's launch overhead costs), and the step's kernels timed one by one at the 1B shapes (the
+# device's matmul and copy ceilings, every weight matmul, the attention kernels: which one
+# attn_backend should take, and the MFU bound that those kernels leave). Every step
 # has a timeout and the whole run a budget; a summary table is printed at the end and
 # everything is written under $OUT (default ./gpu_check_out).
 #
@@ -27,7 +28,7 @@
 # step, default 256 as in configs/moe_1b.yaml, and BENCH_MICRO_1B a micro-batch, default 16 as
 # there), GPU_CHECK_SKIP (step names to leave out on a
 # rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels
-# tests_gpu tests_gpu_train bench_moe_100m profile_moe_1b bench_moe_1b_graphs; a rerun usually lands
+# tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_wide bench_moe_1b_graphs; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
@@ -72,15 +73,17 @@ export LLMTRAIN_TRACEBACK=1  # a bug's traceback in the log, not only its one li
 SMOKE=${GPU_CHECK_CPU_SMOKE:-0}
 export SMOKE
 # what the benchmarks run: the real configs, or (CPU smoke) the debug one for a few short steps
-CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml COMPILE=(--compile) SMALL=() PSMALL=()
+CFG_1B=configs/moe_1b.yaml CFG_100M=configs/moe_100m.yaml CFG_WIDE=configs/moe_1b_wide.yaml
+COMPILE=(--compile) SMALL=() PSMALL=()
 WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
-GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-10} WARMUP_1B=3  # the 1B runs' batch
+GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-8} WARMUP_1B=3  # the 1B runs' batch
 MICRO_1B=${BENCH_MICRO_1B:-16}
 STEPS_1B_GRAPHS=6 GRAPHS=(--compile train.compile_mode=reduce-overhead)
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
-  CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml COMPILE=() STEPS=3 WARMUP=1
+  CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml CFG_WIDE=configs/debug.yaml COMPILE=()
+  STEPS=3 WARMUP=1
   STEPS_1B=3 WARMUP_1B=0 GBS_1B=8 MICRO_1B=4  # no warm-up: the last step is profiled, 2 left
   STEPS_1B_GRAPHS=3 GRAPHS=()
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
@@ -220,15 +223,16 @@ export PYTHONPATH=$PYTHONPATH:$SITE
 # reruns eager and says so), the kernels timed one by one (they bound the MFU and decide
 # attn_backend), then correctness in two steps (-v: each result is logged as it finishes,
 # should the step run out of time): the kernel tests, then the training ones (bf16 vs fp32,
-# NCCL save/resume); then the 100M figure, the bare model's profile, and the 1B run with CUDA
-# graphs (whether the host's kernel launches hold the GPU back; loss curves compared; the least
-# wanted, so last). A step with less budget
+# NCCL save/resume); then the 100M figure, the wide 1B figure, and the 1B run with CUDA graphs
+# (whether the host's kernel launches hold the GPU back; loss curves compared; the least wanted,
+# so last). The bare model's kernel profile (benchmarks/gpu_profile.py) is left to manual runs:
+# the trainer step's profile says as much, and 8 files come back. A step with less budget
 # left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
 step prepare_data 120 prepare
 # the 1B runs at the config's own batch (256 x 2048 tokens, 16 micro-batches of 16 a step), as
 # its training would: the optimizer step is then 1/16 of the step's work, not 1/4 (the
-# benchmark's default of 32 sequences in micro-batches of 8); 10 such steps are 8x the tokens of
+# benchmark's default of 32 sequences in micro-batches of 8); 8 such steps are 6x the tokens of
 # 20 small ones (the CUDA-graph run takes 6). The compiled run's last
 # step is profiled inside the trainer (DeepSpeed engine, optimizer, data: what the bare-model
 # profile leaves out), out of the medians; its summary lands in the JSON
@@ -245,8 +249,10 @@ SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
-MIN=40 step profile_moe_1b 80 $PY benchmarks/gpu_profile.py --config $CFG_1B "${COMPILE[@]}" \
-  --out "$OUT/gpu_profile_moe_1b.txt" "${PSMALL[@]}"
+MIN=60 step bench_moe_1b_wide 100 $PY benchmarks/gpu_train.py --config $CFG_WIDE "${COMPILE[@]}" \
+  --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b_wide \
+  --out "$OUT/gpu_train_moe_1b_wide.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B" \
+  "train.micro_batch_size=$MICRO_1B"
 MIN=60 step bench_moe_1b_graphs 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
   --steps "$STEPS_1B_GRAPHS" --warmup "$WARMUP_1B" --name moe_1b_graphs \
   --out "$OUT/gpu_train_moe_1b_graphs.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B" \
@@ -274,9 +280,6 @@ if a.exists():
     print("\n" + text)
     m = re.search(r"MFU <= ([\d.e+-]+)%", text)
     bound = float(m.group(1)) / 100 if m else None
-p = out / "gpu_profile_moe_1b.txt"
-if p.exists():  # the profile's headline lines (its kernel table is in the file)
-    print("\nprofile: " + "\n".join(p.read_text().splitlines()[:3]))
 xs = [x for x in (out / "tests_gpu.xml", out / "tests_gpu_train.xml") if x.exists()]
 if xs:
     print("\ntests/gpu:")
