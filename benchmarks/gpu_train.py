@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -67,7 +68,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (no figures)")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # options may follow the a.b=c overrides (gpu_check.sh)
     import torch
 
     if not torch.cuda.is_available() and not args.cpu:
@@ -85,19 +86,25 @@ def main() -> None:
     res: dict = {"name": name, "config": str(Path(args.config).name), "compile": args.compile}
     t0 = time.perf_counter()
     deadline = T_START + args.timeout
-    rows, returncode, tail, prof = _train(args, over, args.compile, deadline - time.monotonic())
+    rows, returncode, tail, prof, stats = _train(
+        args, over, args.compile, deadline - time.monotonic()
+    )
     left = deadline - time.monotonic()
     if args.compile and not rows and left > 30:
         res["compile_error"] = tail
         print("the compiled run failed before its first step; rerunning eager", flush=True)
-        rows, returncode, _, prof = _train(args, over, False, left)
+        rows, returncode, _, prof, stats = _train(args, over, False, left)
         res["compile"] = False
     if prof:
         res["step_profile"] = prof
         print(prof[:20000], flush=True)
-    res["overrides"] = [f"train.max_steps={args.steps}", *over]
     modes = [o.split("=", 1)[1] for o in over if o.startswith("train.compile_mode=")]
     res["compile_mode"] = (modes[-1] if modes else "default") if res["compile"] else None
+    if not res["compile"]:  # what ran: an eager fallback ran without the mode
+        over = [o for o in over if not o.startswith("train.compile_mode=")]
+    res["overrides"] = [f"train.max_steps={args.steps}", *over]
+    if stats:
+        res["compile_stats"] = stats
     res["sequences_per_step"] = int(  # the last override wins, as in the trainer
         [o for o in over if o.startswith("train.global_batch_size=")][-1].split("=")[1]
     )
@@ -166,9 +173,11 @@ def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     return out
 
 
-def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, object, str, str]:
+def _train(
+    args, over: list[str], compile: bool, timeout: float
+) -> tuple[list, object, str, str, dict]:
     """One `llmtrain train` run; returns (step records, return code or "timeout", log tail,
-    the profiled step's summary or "")."""
+    the profiled step's summary or "", the trainer's torch.compile statistics or {})."""
     run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
     if not compile:  # an eager run (or the fallback of a failed compiled one) has no mode
         over = [o for o in over if not o.startswith("train.compile_mode=")]
@@ -190,7 +199,9 @@ def _train(args, over: list[str], compile: bool, timeout: float) -> tuple[list, 
     rows = [json.loads(l) for l in mfile.read_text().splitlines() if l] if mfile.exists() else []
     prof = "".join(f.read_text() for f in sorted((run / "profile").glob("step_*_rank0.txt")))
     shutil.rmtree(run.parent, ignore_errors=True)
-    return [r for r in rows if "tokens_per_s" in r], returncode, text[-3000:], prof
+    found = re.search(r"torch.compile on rank 0: (\{.*?\})", text)  # the trainer's last line
+    stats = json.loads(found.group(1).replace("'", '"')) if found else {}
+    return [r for r in rows if "tokens_per_s" in r], returncode, text[-3000:], prof, stats
 
 
 if __name__ == "__main__":

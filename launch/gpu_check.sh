@@ -85,7 +85,7 @@ if [[ $SMOKE == 1 ]]; then
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml CFG_WIDE=configs/debug.yaml COMPILE=()
   STEPS=3 WARMUP=1
   STEPS_1B=3 WARMUP_1B=0 GBS_1B=8 MICRO_1B=4  # no warm-up: the last step is profiled, 2 left
-  STEPS_1B_GRAPHS=3 GRAPHS=()
+  STEPS_1B_GRAPHS=3 GRAPHS=(--warmup "$WARMUP_1B")  # an option after the overrides, as on a GPU
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -232,15 +232,15 @@ step setup 120 setup
 step prepare_data 120 prepare
 # the 1B runs at the config's own batch (256 x 2048 tokens, 16 micro-batches of 16 a step), as
 # its training would: the optimizer step is then 1/16 of the step's work, not 1/4 (the
-# benchmark's default of 32 sequences in micro-batches of 8); 8 such steps are 6x the tokens of
-# 20 small ones (the CUDA-graph run takes 6). The compiled run's last
+# benchmark's default of 32 sequences in micro-batches of 8); 8 such steps are 3.2x the tokens
+# of 20 small ones (the CUDA-graph run takes 6). The compiled run's last
 # step is profiled inside the trainer (DeepSpeed engine, optimizer, data: what the bare-model
 # profile leaves out), out of the medians; its summary lands in the JSON
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
   --profile --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" \
   "${SMALL[@]}" "train.global_batch_size=$GBS_1B" "train.micro_batch_size=$MICRO_1B"
 MIN=30 step kernels 100 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
-  --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
+  --micro "$MICRO_1B" --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
   tests/gpu/test_attention_gpu.py
@@ -296,18 +296,22 @@ for f in sorted(out.glob("gpu_train_*.json")):
     rows.append(r)
 if rows:
     # loss at the first and last step: the two 1B runs see the same data and seed
-    print(f"\n{'run':<14} {'compile':>7} {'seq/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"\n{'run':<14} {'compile':>15} {'seq/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'peak GiB':>9} {'rc':>7}  loss first -> last")
     for r in rows:
         tok, tf, mfu, mem = (r.get(k) for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib"))
         fmt = lambda v, s: s.format(v) if isinstance(v, (int, float)) else "-"
         first, last = (r.get("loss_first_last") or [None, None])[:2]
-        print(f"{r['name']:<14} {str(r.get('compile')):>7} {str(r.get('sequences_per_step', '-')):>8} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
+        print(f"{r['name']:<14} {str(r.get('compile_mode') or r.get('compile')):>15} {str(r.get('sequences_per_step', '-')):>8} {fmt(tok, '{:>10.0f}')} {fmt(tf, '{:>8.1f}')} "
               f"{fmt(mfu, '{:>6.1%}')} {fmt(mem, '{:>9.1f}')} {str(r.get('returncode')):>7}  "
               f"{fmt(first, '{:.4f}')} -> {fmt(last, '{:.4f}')}")
         if r.get("predicted_memory_gib"):  # llmtrain count's peak, less the CUDA context
             print(f"  peak memory predicted {r['predicted_memory_gib']:.2f} GiB, measured/predicted "
                   f"{r.get('measured_over_predicted', '-')}")
+        cs = r.get("compile_stats") or {}
+        if cs:  # graph breaks split blocks; CUDA-graph skips run a graph mode without graphs
+            print(f"  torch.compile: {cs.get('graphs')} graphs, {cs.get('graph_breaks')} breaks, "
+                  f"{cs.get('cudagraph_skips')} CUDA-graph skips")
         if r.get("compile_error"):
             print(f"  compile failed, ran eager: {r['compile_error'].strip().splitlines()[-1][:120]}")
     by = {r["name"]: r for r in rows}

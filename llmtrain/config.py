@@ -423,6 +423,21 @@ class Config:
                 f"train.compile_mode={self.train.compile_mode!r}: use one of "
                 f"{', '.join(COMPILE_MODES)}"
             )
+        if self.train.compile_mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs
+            if self.parallel.ep_size > 1:
+                raise ConfigError(
+                    f"train.compile_mode={self.train.compile_mode} (CUDA graphs) with "
+                    f"parallel.ep_size={self.parallel.ep_size}: the rows each rank receives change "
+                    "every step and the shared experts run on a side stream, neither of which a "
+                    "recorded graph can replay; use train.compile_mode=default (or "
+                    "max-autotune-no-cudagraphs) with expert parallelism"
+                )
+            if (self.train.deepspeed.get("bf16") or {}).get("immediate_grad_update") is False:
+                raise ConfigError(
+                    f"train.compile_mode={self.train.compile_mode} (CUDA graphs) with DeepSpeed's "
+                    "bf16.immediate_grad_update=false: gradients kept across micro-batches would be "
+                    "overwritten by the next replay; drop that train.deepspeed key"
+                )
         if self.train.compile_mode != "default" and not self.train.compile:
             raise ConfigError(
                 f"train.compile_mode={self.train.compile_mode} without train.compile=true compiles "

@@ -81,6 +81,11 @@ def test_unknown_rope_type_and_cross_section_checks():
         load_config(None, ["train.compile=true", "train.compile_mode=fast"])
     with pytest.raises(ConfigError, match="add train.compile=true"):
         load_config(None, ["train.compile_mode=reduce-overhead"])
+    graphs = ["train.compile=true", "train.dtype=bf16", "train.compile_mode=reduce-overhead"]
+    with pytest.raises(ConfigError, match="with parallel.ep_size=2: the rows"):
+        load_config(None, [*graphs, "parallel.ep_size=2"])
+    with pytest.raises(ConfigError, match="immediate_grad_update=false"):
+        load_config(None, [*graphs, "train.deepspeed={bf16: {immediate_grad_update: false}}"])
     load_config(
         None, ["train.compile=true", "train.dtype=bf16", "train.compile_mode=reduce-overhead"]
     )

@@ -44,7 +44,9 @@ def test_chunk_size_by_device():
         assert n % rows == 0 and rows % 128 == 0, (v, n, rows)
         assert _chunk_rows(v, cuda) // 2 < rows <= 1.25 * _chunk_rows(v, cuda), (v, n, rows)
     assert _chunk_rows(32000, cuda, 16384) == 2048
+    assert _chunk_rows(102400, cuda, 16384) == 512  # 640 rows left a ragged chunk
     assert _chunk_rows(32000, cuda, 1000) == _chunk_rows(32000, cuda)  # not a multiple of 128
+    assert _chunk_rows(32000, cuda, 1024) == 1024  # fewer tokens than a chunk: one full chunk
     assert _chunk_rows(32000, torch.device("cpu"), 16384) == cpu  # CPU: unchanged
 
 

@@ -20,12 +20,15 @@ from torch import nn
 def _chunk_rows(v: int, device: torch.device | None = None, n: int = 0) -> int:
     """Tokens per chunk. CPU: ~16 MB of fp32 logits (cache-sized; tuned on CPU). CUDA: ~256 MB,
     a multiple of 128 rows: few launches and GEMMs large enough to fill the GPU. Given the
-    token count `n` (a multiple of 128), CUDA chunks divide it evenly, up to 1.25x that size:
-    a ragged last chunk runs the eager path (8 passes over its fp32 logits, not 2) and at
-    16,384 tokens x 32k vocab 1,920-row chunks left one of 1,024 rows; 2,048-row ones none."""
+    token count `n` (a multiple of 128), CUDA chunks divide it evenly where a size up to 1.25x
+    that one allows: a ragged last chunk runs the eager path (8 passes over its fp32 logits,
+    not 2). At 16,384 tokens and vocab 102,400 the 640-row chunks left a ragged one; 512-row
+    chunks do not (vocab 32,000: 2,048 rows, which divide it already)."""
     if device is not None and device.type == "cuda":
         cap = max(128, (1 << 26) // v // 128 * 128)
-        if n > cap and n % 128 == 0:
+        if n and n % 128 == 0:
+            if n <= cap:
+                return n  # one full chunk (the compiled path), not one ragged
             lo = -(-n // (cap + cap // 4))  # fewest chunks of at most 1.25 x cap rows
             for k in range(lo, 2 * lo + 1):
                 if n % (128 * k) == 0:

@@ -426,7 +426,9 @@ class Engine:
         keep_routing_fp32(model, fp32_routers)
         self.zero_stage = effective_zero_stage(cfg, layout)
         bf16_optimizer = accumulate_in_place(self.optimizer)
-        if layout.world_size == 1 and (self.zero_stage == 0 or bf16_optimizer):
+        if layout.world_size == 1 and (
+            self.engine.zero_optimization_stage() == 0 or bf16_optimizer
+        ):
             # Their reduction over one rank is the identity, yet it copies every fp32 gradient
             # into 2 GB buckets, scales it by 1/1 and copies it back at each step. (ZeRO-1/2/3
             # optimizers do more in that call, partitioning their gradients: they keep it.)

@@ -66,9 +66,9 @@ def compile_blocks(model: nn.Module, expert_parallel: bool, mode: str = "default
 
     `mode` (train.compile_mode) is torch.compile's. With CUDA graphs each block's forward and
     backward replay as one graph launch; every row count in a block on one rank is fixed (T·K
-    routed rows), so one recording serves every step. Under expert parallelism the expert GEMMs
-    (rows received change every step) keep the default mode: a graph per row count would be
-    re-recorded without end."""
+    routed rows), so one recording serves every step. Expert parallelism takes the default mode
+    for its expert GEMMs (compiled with dynamic shapes: the rows received change every step);
+    its config refuses the CUDA-graph modes (`Config.validate`)."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # built under zero.Init
         raise ValueError(
             "compile_blocks: the model's parameters are ZeRO-3 partitioned; compiled blocks (and "
@@ -108,11 +108,14 @@ def compile_blocks(model: nn.Module, expert_parallel: bool, mode: str = "default
 
 def compile_stats() -> dict[str, int]:
     """What torch.compile did in this process: graphs made, frames compiled (a recompile counts
-    again) and graph breaks (each one splits a block and costs speed: should be 0 on one rank)."""
+    again), graph breaks (each one splits a block and costs speed: should be 0 on one rank) and
+    graphs that a CUDA-graph mode ran without CUDA graphs (torch skips them silently but for a
+    log line: mutated inputs, CPU tensors; 0 wanted; also counts on CPU, which has none)."""
     from torch._dynamo.utils import counters
 
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
         "frames_compiled": int(counters["frames"]["ok"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
+        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
     }
