@@ -27,8 +27,8 @@
 # BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 10, at BENCH_GBS_1B sequences a
 # step, default 256 as in configs/moe_1b.yaml, and BENCH_MICRO_1B a micro-batch, default 16 as
 # there), GPU_CHECK_SKIP (step names to leave out on a
-# rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b kernels
-# tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_wide bench_moe_1b_graphs; a rerun usually lands
+# rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b tests_gpu
+# tests_gpu_train bench_moe_100m bench_moe_1b_wide bench_moe_1b_graphs kernels; a rerun usually lands
 # on a fresh machine, so keep setup and prepare_data). GPU_CHECK_CPU_SMOKE=1 runs every step here on CPU with the debug config and a
 # few steps, to check this script itself (tests/test_gpu_check.py); its figures mean nothing.
 set -u -o pipefail
@@ -78,14 +78,16 @@ COMPILE=(--compile) SMALL=() PSMALL=()
 WARMUP=6  # leading benchmark steps left out of the medians (compilation, allocator growth)
 GBS_1B=${BENCH_GBS_1B:-256} STEPS_1B=${BENCH_STEPS_1B:-8} WARMUP_1B=3  # the 1B runs' batch
 MICRO_1B=${BENCH_MICRO_1B:-16}
-STEPS_1B_GRAPHS=6 GRAPHS=(--compile train.compile_mode=reduce-overhead)
+STEPS_1B_WIDE=6 STEPS_1B_GRAPHS=5 WARMUP_SHORT=2
+GRAPHS=(--compile train.compile_mode=reduce-overhead)
 export CFG_1B
 if [[ $SMOKE == 1 ]]; then
   export DS_ACCELERATOR=cpu
   CFG_1B=configs/debug.yaml CFG_100M=configs/debug.yaml CFG_WIDE=configs/debug.yaml COMPILE=()
   STEPS=3 WARMUP=1
   STEPS_1B=3 WARMUP_1B=0 GBS_1B=8 MICRO_1B=4  # no warm-up: the last step is profiled, 2 left
-  STEPS_1B_GRAPHS=3 GRAPHS=(--warmup "$WARMUP_1B")  # an option after the overrides, as on a GPU
+  STEPS_1B_WIDE=3 STEPS_1B_GRAPHS=3 WARMUP_SHORT=0
+  GRAPHS=(--warmup "$WARMUP_1B")  # an option after the overrides, as on a GPU
   SMALL=(--cpu train.seq_len=64 train.global_batch_size=8 train.micro_batch_size=4)
   PSMALL=(--cpu --micro 2 --seq 64 --steps 1)
 fi
@@ -220,12 +222,13 @@ prepare() {  # tokenize the built-in corpus once for the tests (debug) and bench
 export PYTHONPATH=$PYTHONPATH:$SITE
 # Order, most wanted first, as one run is likely all a session's device minutes allow (a fresh
 # machine's start counts): the MFU figure (compiled: should compilation fail, gpu_train.py
-# reruns eager and says so), the kernels timed one by one (they bound the MFU and decide
-# attn_backend), then correctness in two steps (-v: each result is logged as it finishes,
-# should the step run out of time): the kernel tests, then the training ones (bf16 vs fp32,
-# NCCL save/resume); then the 100M figure, the wide 1B figure, and the 1B run with CUDA graphs
-# (whether the host's kernel launches hold the GPU back; loss curves compared; the least wanted,
-# so last). The bare model's kernel profile (benchmarks/gpu_profile.py) is left to manual runs:
+# reruns eager and says so), then correctness in two steps (-v: each result is logged as it
+# finishes, should the step run out of time): the kernel tests, then the training ones (bf16 vs
+# fp32, NCCL save/resume); then the 100M figure, the wide 1B figure, the 1B run with CUDA graphs
+# (whether the host's kernel launches hold the GPU back; loss curves compared), and last the
+# kernels timed one by one (they bound the MFU and decide attn_backend; measured in session 19
+# at micro-batch 8, so the least wanted now).
+# The bare model's kernel profile (benchmarks/gpu_profile.py) is left to manual runs:
 # the trainer step's profile says as much, and 8 files come back. A step with less budget
 # left than it needs to finish is skipped, not run; a rerun skips the steps that passed.
 step setup 120 setup
@@ -233,14 +236,13 @@ step prepare_data 120 prepare
 # the 1B runs at the config's own batch (256 x 2048 tokens, 16 micro-batches of 16 a step), as
 # its training would: the optimizer step is then 1/16 of the step's work, not 1/4 (the
 # benchmark's default of 32 sequences in micro-batches of 8); 8 such steps are 3.2x the tokens
-# of 20 small ones (the CUDA-graph run takes 6). The compiled run's last
+# of 20 small ones (the wide and CUDA-graph runs take 6 and 5, 2 of them warm-up: ~60 s each).
+# The compiled run's last
 # step is profiled inside the trainer (DeepSpeed engine, optimizer, data: what the bare-model
 # profile leaves out), out of the medians; its summary lands in the JSON
 MIN=100 step bench_moe_1b 200 $PY benchmarks/gpu_train.py --config $CFG_1B "${COMPILE[@]}" \
   --profile --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b --out "$OUT/gpu_train_moe_1b.json" \
   "${SMALL[@]}" "train.global_batch_size=$GBS_1B" "train.micro_batch_size=$MICRO_1B"
-MIN=30 step kernels 100 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
-  --micro "$MICRO_1B" --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 SIG=INT MIN=30 step tests_gpu 120 $PY -m pytest -v -rA -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" tests/gpu/test_kernels_gpu.py tests/gpu/test_comm_gpu.py \
   tests/gpu/test_attention_gpu.py
@@ -249,14 +251,16 @@ SIG=INT MIN=60 step tests_gpu_train 200 $PY -m pytest -v -rA -p no:cacheprovider
 MIN=70 step bench_moe_100m 110 $PY benchmarks/gpu_train.py --config $CFG_100M "${COMPILE[@]}" \
   --steps "$STEPS" --warmup "$WARMUP" --name moe_100m --out "$OUT/gpu_train_moe_100m.json" \
   "${SMALL[@]}"
-MIN=60 step bench_moe_1b_wide 100 $PY benchmarks/gpu_train.py --config $CFG_WIDE "${COMPILE[@]}" \
-  --steps "$STEPS_1B" --warmup "$WARMUP_1B" --name moe_1b_wide \
+MIN=55 step bench_moe_1b_wide 90 $PY benchmarks/gpu_train.py --config $CFG_WIDE "${COMPILE[@]}" \
+  --steps "$STEPS_1B_WIDE" --warmup "$WARMUP_SHORT" --name moe_1b_wide \
   --out "$OUT/gpu_train_moe_1b_wide.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B" \
   "train.micro_batch_size=$MICRO_1B"
-MIN=60 step bench_moe_1b_graphs 100 $PY benchmarks/gpu_train.py --config $CFG_1B \
-  --steps "$STEPS_1B_GRAPHS" --warmup "$WARMUP_1B" --name moe_1b_graphs \
+MIN=55 step bench_moe_1b_graphs 90 $PY benchmarks/gpu_train.py --config $CFG_1B \
+  --steps "$STEPS_1B_GRAPHS" --warmup "$WARMUP_SHORT" --name moe_1b_graphs \
   --out "$OUT/gpu_train_moe_1b_graphs.json" "${SMALL[@]}" "train.global_batch_size=$GBS_1B" \
   "train.micro_batch_size=$MICRO_1B" "${GRAPHS[@]}"
+MIN=25 step kernels 60 $PY benchmarks/gpu_profile.py --config $CFG_1B --kernels \
+  --micro "$MICRO_1B" --out "$OUT/gpu_kernels_moe_1b.txt" "${PSMALL[@]}"
 
 echo
 echo "================ gpu_check summary ($(($(date +%s) - T0))s of ${BUDGET}s budget) ================"

@@ -174,7 +174,7 @@ def test_gpu_check_fails_a_step_the_budget_leaves_out_and_says_how_to_rerun(tmp_
     """A step the budget cannot fit fails the check (no figure is not a pass), and the summary
     ends with the rerun that leaves out what passed (set-up and data always run again)."""
     out = tmp_path / "out"
-    done = "bench_moe_1b kernels tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_wide"
+    done = "bench_moe_1b tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_wide kernels"
     env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
                LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="45",
                GPU_CHECK_SKIP=done, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
