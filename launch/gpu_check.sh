@@ -24,7 +24,7 @@
 # are left, so the rerun (a fresh machine) gets GPU_CHECK_BUDGET=180 and GPU_CHECK_SKIP naming
 # the benchmark and test steps that passed (set-up and data run again), with timeout_s=240.
 # Environment: OUT, PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 480),
-# BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 10, at BENCH_GBS_1B sequences a
+# BENCH_STEPS (default 20; the 1B runs: BENCH_STEPS_1B, default 8, at BENCH_GBS_1B sequences a
 # step, default 256 as in configs/moe_1b.yaml, and BENCH_MICRO_1B a micro-batch, default 16 as
 # there), GPU_CHECK_SKIP (step names to leave out on a
 # rerun, e.g. "bench_moe_1b bench_moe_100m"; steps: setup prepare_data bench_moe_1b tests_gpu
