@@ -46,6 +46,7 @@ def child(args) -> None:
     import torch
     import yaml
 
+    from llmtrain.accounting import count
     from llmtrain.config import load_config
     from llmtrain.parallel import comm
     from llmtrain.parallel.engine import Engine, device_for, init_distributed, make_dispatcher
@@ -66,7 +67,8 @@ def child(args) -> None:
         comm.barrier()
         _reset_peak()
         t0 = time.perf_counter()
-        loop._restore(run, Path(args.resume))
+        flops = count(cfg.model, seq_len=cfg.train.seq_len).flops_per_token
+        loop._restore(run, Path(args.resume), flops)
         comm.barrier()
         rec["load_s"], rec["load_peak"] = time.perf_counter() - t0, _status("VmHWM")
     comm.barrier()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def main() -> None:
                    check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
     wall = time.perf_counter() - t0
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run.parent, ignore_errors=True)  # its checkpoint: ~300 MB of /tmp per run
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     trainer = statistics.median(tokens / r["tokens_per_s"] for r in rows[3:])
     bare = statistics.median(bare_step_times(cfg, args.steps))

@@ -13,9 +13,18 @@ fi
 python="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-# 1. torch pinned first (the CPU wheel on disk; a CUDA build is several GB), with numpy in the
-#    same step: torch imported before numpy exists warns "Failed to initialize NumPy".
-"${pip[@]}" "torch==${LLMTRAIN_TORCH:-2.13.0}" numpy
+# 1. torch pinned first, the CPU build: PyPI's torch for Linux is the CUDA one (several GB of
+#    nvidia-* packages). A wheel on disk (pip's find-links) is taken without the network; else
+#    the CPU build from PyTorch's index; LLMTRAIN_TORCH_INDEX picks another index (a CUDA one on
+#    a GPU machine). Then its dependencies, with numpy in the same step: torch imported before
+#    numpy exists warns "Failed to initialize NumPy".
+torch_spec="torch==${LLMTRAIN_TORCH:-2.13.0}"
+if [ -n "${LLMTRAIN_TORCH_INDEX:-}" ]; then
+  "${pip[@]}" --no-deps --index-url "$LLMTRAIN_TORCH_INDEX" "$torch_spec"
+elif ! "${pip[@]}" --no-deps --no-index "$torch_spec" 2>/dev/null; then
+  "${pip[@]}" --no-deps --index-url https://download.pytorch.org/whl/cpu "$torch_spec"
+fi
+"${pip[@]}" "$torch_spec" numpy
 # 2. the package and its tools, with torch held where it is.
 echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$venv/torch-pin.txt"
 "${pip[@]}" -c "$venv/torch-pin.txt" -e "$root[dev,train,eval]" "transformers==5.24.0"

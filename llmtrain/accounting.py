@@ -517,7 +517,11 @@ def memory_per_rank(
         out["master_weights"] = 4 * held if w < 4 else 0.0
         out["gradients"] = w * held + (4 * held if w < 4 else 0)  # bf16: fp32 accumulation too
         out["optimizer"] = 8 * held
-        out["deepspeed_buffers"] = (4 if w < 4 else w) * min(held, DS_ALLREDUCE_BUCKET)
+        # its all-reduce flattens the gradients into a bucket; over one rank the engine skips
+        # it (parallel/engine.py: the identity, 3 passes over every gradient)
+        out["deepspeed_buffers"] = (
+            (4 if w < 4 else w) * min(held, DS_ALLREDUCE_BUCKET) if world_size > 1 else 0.0
+        )
     elif zero_stage in (1, 2):
         out["weights"] = w * held
         out["master_weights"] = 4 * s.part
@@ -536,7 +540,9 @@ def memory_per_rank(
                 # full, unpartitioned fp32 gradient copy (bf16_optimizer.py fp32_groups_gradients)
                 # beside the bf16 param.grad of the backward (measured: 2 ranks, 4.0 N B fp32)
                 out["gradients"] = 4 * held + w * held
-            out["deepspeed_buffers"] = w * (bucket + flat)
+            # (BF16_Optimizer over one rank: no reduction, hence no bucket; see stage 0)
+            one_rank_bf16 = w < 4 and world_size == 1 and not offload_optimizer
+            out["deepspeed_buffers"] = 0.0 if one_rank_bf16 else w * (bucket + flat)
         else:
             # every backward fills the bucket (min(held, reduce_bucket_size)) and reduces it into
             # the rank's gradient partition (grads_in_partition), flattening one destination

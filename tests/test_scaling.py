@@ -340,6 +340,22 @@ def test_approach1_envelope_does_not_depend_on_row_order():
     assert boot[0] <= fits[0]["a_exp"] <= boot[1]
 
 
+def test_approach1_envelope_groups_budgets_whose_compute_differs_slightly():
+    """A sweep's runs at one budget differ in C by whole steps of tokens (1.00048e12, 1.0011e12,
+    ...): kept as separate compute values, a bootstrap draw of two of them 0.1% apart gave an
+    overflowing slope (OverflowError) and the fit itself was skewed. Jittered Llama 3 points fit
+    as the exact ones do."""
+    exact = _llama3_runs()
+    rng = np.random.default_rng(1)
+    jitter = 1 + rng.uniform(0, 2e-3, len(exact.C))
+    r = Runs(exact.N, exact.D, exact.C * jitter, exact.loss, exact.final, exact.run)
+    a, b = fit_approach1(exact), fit_approach1(r, bootstrap=200)
+    assert len(b["envelope"]) == len(a["envelope"])
+    assert b["a_exp"] == pytest.approx(a["a_exp"], abs=0.01)
+    lo, hi = b["bootstrap"]["ci95"]["a_exp"]
+    assert np.isfinite([lo, hi]).all() and lo <= b["a_exp"] <= hi
+
+
 def test_approach2_bootstrap_keeps_every_budget_and_brackets_the_estimate():
     """Resampling runs within a budget often left < 3 sizes; a resample losing a budget was
     thrown away (or, with one budget short, the whole bootstrap failed)."""

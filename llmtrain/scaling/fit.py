@@ -236,7 +236,8 @@ def group_budgets(C: np.ndarray, rel_tol: float = 0.05) -> np.ndarray:
 def _powerlaw(x, y):
     """y = k·x^p by least squares in log space; returns (p, k)."""
     p, logk = np.polyfit(np.log(x), np.log(y), 1)
-    return float(p), float(math.exp(logk))
+    with np.errstate(over="ignore"):  # a degenerate bootstrap draw: inf, not an exception
+        return float(p), float(np.exp(logk))
 
 
 def _frontier_bootstrap(fits: list[tuple], seed: int) -> dict:
@@ -415,14 +416,18 @@ def fit_approach1(
 
 
 def _envelope(p: Runs) -> Runs:
-    """The lowest loss reached at each compute, kept where it beats every smaller compute:
-    one point per compute value (runs of one IsoFLOP budget share C), whatever the row order."""
-    order = np.lexsort((p.loss, p.C))  # by C, then loss: the first of each C is its minimum
-    keep, best, last_c = [], np.inf, None
+    """The lowest loss reached at each compute budget, kept where it beats every smaller budget:
+    one point per budget, whatever the row order. A budget is a group of runs within 5% in C
+    (`group_budgets`): runs a sweep collects at one budget differ slightly in C (1.00048e12,
+    1.0011e12, 1.0016e12: tokens are whole steps), and kept apart, two of them 0.1% apart in C
+    set the power-law slope (bootstrap draws of such a pair overflowed)."""
+    group = group_budgets(p.C)
+    order = np.lexsort((p.loss, group))  # by budget, then loss: the first of each is its minimum
+    keep, best, last = [], np.inf, None
     for i in order:
-        if p.C[i] == last_c:
+        if group[i] == last:
             continue
-        last_c = p.C[i]
+        last = group[i]
         if p.loss[i] < best:
             best = p.loss[i]
             keep.append(i)
