@@ -101,7 +101,7 @@ def main() -> None:
     modes = [o.split("=", 1)[1] for o in over if o.startswith("train.compile_mode=")]
     res["compile_mode"] = (modes[-1] if modes else "default") if res["compile"] else None
     if not res["compile"]:  # what ran: an eager fallback ran without the mode
-        over = [o for o in over if not o.startswith("train.compile_mode=")]
+        over = _without_mode(over)
     res["overrides"] = [f"train.max_steps={args.steps}", *over]
     if stats:
         res["compile_stats"] = stats
@@ -140,6 +140,11 @@ def main() -> None:
     sys.exit(0 if res["returncode"] == 0 and steady else 1)
 
 
+def _without_mode(over: list[str]) -> list[str]:
+    """The overrides less train.compile_mode (refused without train.compile=true)."""
+    return [o for o in over if not o.startswith("train.compile_mode=")]
+
+
 def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     """`llmtrain count`'s peak for this layout beside the measured one: the prediction less its
     runtime term, since torch.cuda.max_memory_allocated (what the trainer logs) counts tensors
@@ -148,7 +153,7 @@ def _predicted_memory(args, over: list[str], measured_gib) -> dict:
     from llmtrain.config import load_config
     from llmtrain.model.attention import flash_attn_available
 
-    over = [o for o in over if not o.startswith("train.compile_mode=")]  # (needs compile=true)
+    over = _without_mode(over)  # a mode needs train.compile=true; memory does not depend on it
     try:
         cfg = load_config(args.config, over)
         t = cfg.train
@@ -180,7 +185,7 @@ def _train(
     the profiled step's summary or "", the trainer's torch.compile statistics or {})."""
     run = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-")) / "run"
     if not compile:  # an eager run (or the fallback of a failed compiled one) has no mode
-        over = [o for o in over if not o.startswith("train.compile_mode=")]
+        over = _without_mode(over)
     over = [f"train.max_steps={args.steps}", *over, f"train.compile={str(compile).lower()}"]
     cmd = [sys.executable, "-m", "llmtrain.cli", "train", args.config, "--run-dir", str(run), *over]
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)

@@ -30,6 +30,7 @@ MOE_IMPLS = ("auto", "grouped_mm", "loop")
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # those of COMPILE_MODES that record graphs
 
 
 class ConfigError(LlmtrainError, ValueError):
@@ -423,7 +424,7 @@ class Config:
                 f"train.compile_mode={self.train.compile_mode!r}: use one of "
                 f"{', '.join(COMPILE_MODES)}"
             )
-        if self.train.compile_mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs
+        if self.train.compile_mode in CUDA_GRAPH_MODES:
             if self.parallel.ep_size > 1:
                 raise ConfigError(
                     f"train.compile_mode={self.train.compile_mode} (CUDA graphs) with "

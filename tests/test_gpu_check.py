@@ -169,18 +169,23 @@ def test_kernels_bound_adds_every_matmul_and_attention_per_block(monkeypatch):
     assert float(m.group(5)) == pytest.approx(100 * mfu, rel=1e-2), bound
 
 
+def _smoke_check(tmp_path, budget: int, skip: str):
+    """launch/gpu_check.sh in CPU smoke mode with a budget and steps to skip: (process, log)."""
+    env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(tmp_path / "out"),
+               PYTHON=sys.executable, LLMTRAIN_CACHE=str(tmp_path / "cache"),
+               GPU_CHECK_BUDGET=str(budget), GPU_CHECK_SKIP=skip,
+               GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
+    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    return p, p.stdout + p.stderr
+
+
 @pytest.mark.slow
 def test_gpu_check_fails_a_step_the_budget_leaves_out_and_says_how_to_rerun(tmp_path):
     """A step the budget cannot fit fails the check (no figure is not a pass), and the summary
     ends with the rerun that leaves out what passed (set-up and data always run again)."""
-    out = tmp_path / "out"
     done = "bench_moe_1b tests_gpu tests_gpu_train bench_moe_100m bench_moe_1b_wide kernels"
-    env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
-               LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="45",
-               GPU_CHECK_SKIP=done, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
-    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
-    log = p.stdout + p.stderr
+    p, log = _smoke_check(tmp_path, budget=45, skip=done)
     assert p.returncode == 1, log[-3000:]
     assert re.search(r"\nbench_moe_1b_graphs +no-time", log), log[-3000:]
     assert f'rerun the rest: GPU_CHECK_BUDGET=180 GPU_CHECK_SKIP="{done}"' in log, log[-1500:]
@@ -204,15 +209,9 @@ def test_gpu_profile_bare_model_runs_on_cpu(tmp_path):
 def test_gpu_check_passes_when_the_budget_misses_only_an_optional_step(tmp_path):
     """The kernel timings (a diagnostic measured before) are optional: the budget leaving them
     out is said in the summary and does not fail the check."""
-    out = tmp_path / "out"
     skip = ("setup prepare_data bench_moe_1b tests_gpu tests_gpu_train bench_moe_100m "
             "bench_moe_1b_wide bench_moe_1b_graphs")  # fmt: skip
-    env = dict(os.environ, GPU_CHECK_CPU_SMOKE="1", OUT=str(out), PYTHON=sys.executable,
-               LLMTRAIN_CACHE=str(tmp_path / "cache"), GPU_CHECK_BUDGET="10",
-               GPU_CHECK_SKIP=skip, GPU_CHECK_SITE=str(tmp_path / "site"))  # fmt: skip
-    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
-    log = p.stdout + p.stderr
+    p, log = _smoke_check(tmp_path, budget=10, skip=skip)
     assert p.returncode == 0, log[-3000:]
     assert re.search(r"\nkernels +no-time-optional", log), log[-3000:]
     assert "rerun the rest" not in log

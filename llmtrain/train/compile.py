@@ -26,6 +26,7 @@ import logging
 import torch
 from torch import nn
 
+from llmtrain.config import CUDA_GRAPH_MODES
 from llmtrain.model.attention import MLA, MLACache
 from llmtrain.model.layers import MLP
 from llmtrain.model.loss import LMHead
@@ -57,7 +58,7 @@ def compile_for_training(mod: nn.Module, dynamic: bool = False, mode: str = "def
 
 def uses_cuda_graphs(mode: str) -> bool:
     """Whether torch.compile's `mode` records CUDA graphs (on CUDA; CPU runs them as compiled)."""
-    return mode in ("reduce-overhead", "max-autotune")
+    return mode in CUDA_GRAPH_MODES
 
 
 def compile_blocks(model: nn.Module, expert_parallel: bool, mode: str = "default") -> list[str]:
