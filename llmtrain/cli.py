@@ -31,7 +31,12 @@ def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, An
                 f"overrides ({' '.join(overrides)}) apply to YAML configs, not to a Hugging Face "
                 "config.json; edit a copy of the JSON, or convert it to YAML first"
             )
-        return model_config_from_hf(read_hf_config(p)), None
+        hf_cfg = read_hf_config(p)
+        model_cfg = model_config_from_hf(hf_cfg)
+        # a release's MTP layers (DeepSeek-V3: 1) are counted as the YAML twin counts them: the
+        # "MTP parameters (extra)" row, their training FLOPs and their memory
+        model_cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
+        return model_cfg, None
     cfg = load_config(p, overrides)
     return cfg.model, cfg
 
@@ -351,20 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("count", help="parameters, FLOPs, KV cache and memory from a config alone")
     c.add_argument("config", help="our YAML config, or a Hugging Face config.json / model dir")
     c.add_argument("overrides", nargs="*", help="a.b=c overrides (YAML configs only)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print every count as JSON")
     c.add_argument("--seq-len", type=int, default=None,
                    help="sequence length for attention FLOPs and activations (default: train.seq_len)")  # fmt: skip
-    c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
+    c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"],
+                   help="element type of the inference KV cache (default bf16)")  # fmt: skip
     c.add_argument("--world-size", type=int, default=0, help="also predict memory per rank")
-    c.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+    c.add_argument("--zero-stage", type=int, default=None, choices=[1, 2, 3],
                    help="default: parallel.zero_stage, or 1")  # fmt: skip
     c.add_argument("--ep-size", type=int, default=None, help="default: parallel.ep_size, or 1")
     c.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="training dtype (default: train.dtype, bf16 for a config.json)")  # fmt: skip
     c.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank per forward (default: train.micro_batch_size, or 1)")  # fmt: skip
-    c.add_argument("--activation-checkpointing", action="store_true", default=None)
-    c.add_argument("--offload-optimizer", action="store_true", default=None)
+    c.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="activations of a recomputed block (default: train.activation_checkpointing)")  # fmt: skip
+    c.add_argument("--offload-optimizer", action="store_true", default=None,
+                   help="AdamW state in host memory (default: train.offload_optimizer)")  # fmt: skip
     c.add_argument("--async-save", action="store_true", default=None,
                    help="count train.async_save's host copy of the checkpoint pieces")  # fmt: skip
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -392,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sc.add_parser(
         "allocate", help="compute-optimal N and D for a FLOP budget (and inverse queries)"
     )
-    a.add_argument("--flops", type=float)
+    a.add_argument("--flops", type=float, help="training compute budget C in FLOPs (e.g. 1e21)")
     a.add_argument("--target-loss", type=float, help="compute needed to reach this loss")
     a.add_argument("--params", type=float, help="fixed model size: its compute-optimal tokens")
     a.add_argument("--tokens", type=float, help="fixed token budget: its compute-optimal model")
@@ -413,12 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kv-tokens", type=int, default=16384, help="with --memory: KV-cache tokens")
     a.set_defaults(func=_scaling("allocate"))
     f = sc.add_parser("fit", help="fit scaling laws to runs (CSV files and/or run directories)")
-    f.add_argument("runs", nargs="+")
-    f.add_argument("--approach", choices=["1", "2", "3", "all"], default="all")
-    f.add_argument("--bootstrap", type=int, default=0, metavar="K")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--plot", metavar="OUT.png")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("runs", nargs="+", help="CSV files of (N, D, loss) rows and/or run or sweep directories")  # fmt: skip
+    f.add_argument("--approach", choices=["1", "2", "3", "all"], default="all",
+                   help="Chinchilla's approaches: 1 envelope, 2 IsoFLOP parabolas, 3 parametric loss")  # fmt: skip
+    f.add_argument("--bootstrap", type=int, default=0, metavar="K",
+                   help="K bootstrap refits for confidence intervals (0: none)")  # fmt: skip
+    f.add_argument("--seed", type=int, default=0, help="bootstrap resampling seed")
+    f.add_argument("--plot", metavar="OUT.png", help="write the fits' plots here")
+    f.add_argument("--json", action="store_true", help="print the fit as JSON")
     f.add_argument("--out", metavar="FIT.json",
                    help="also write the fit (its Approach-3 law is readable by --law)")  # fmt: skip
     f.add_argument("--n-col", help="parameters column (default: N, params, parameters ...)")
@@ -440,12 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sc.add_parser("sweep", help="IsoFLOP sweeps: plan | run | collect").add_subparsers(
         dest="sweep_cmd", required=True
     )
-    sp = sw.add_parser("plan")
-    sp.add_argument("--budgets", type=float, nargs="+", required=True)
-    sp.add_argument("--family", required=True)
-    sp.add_argument("--out", required=True)
+    sp = sw.add_parser("plan", help="choose each budget's model sizes and write their configs")
+    sp.add_argument("--budgets", type=float, nargs="+", required=True,
+                    help="compute budgets C in FLOPs, one IsoFLOP curve each")  # fmt: skip
+    sp.add_argument("--family", required=True, help="a model family YAML (configs/families/)")
+    sp.add_argument("--out", required=True, help="the sweep directory to write")
     sp.add_argument("--law", default="epoch", help="centres each budget's sizes on its N_opt")
-    sp.add_argument("--sizes", type=int, default=4)
+    sp.add_argument("--sizes", type=int, default=4, help="model sizes per budget (default 4)")
     sp.add_argument("--spread", type=float, default=8.0, help="largest / smallest size per budget")
     sp.add_argument("--hyper", action="store_true", help="batch and LR from DeepSeek's power laws")
     sp.add_argument(
@@ -454,15 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--experts", type=int, nargs="+", help="MoE sweep: experts E per active size")
     sp.add_argument("--granularity", type=int, nargs="+", help="MoE sweep: granularities G")
     sp.add_argument("--active", type=float, nargs="+", help="MoE sweep: fixed active sizes")
-    sr = sw.add_parser("run")
-    sr.add_argument("sweep")
+    sr = sw.add_parser("run", help="train the planned runs not yet finished (resumable)")
+    sr.add_argument("sweep", help="the sweep directory")
     sr.add_argument(
         "--print-commands", action="store_true", help="print deepspeed commands instead"
     )
-    sr.add_argument("--nproc", type=int, default=1)
-    scl = sw.add_parser("collect")
-    scl.add_argument("sweep")
-    scl.add_argument("--out")
+    sr.add_argument("--nproc", type=int, default=1, help="ranks per run (deepspeed --num_gpus)")
+    scl = sw.add_parser("collect", help="finished runs' final losses -> results.csv")
+    scl.add_argument("sweep", help="the sweep directory")
+    scl.add_argument("--out", help="CSV path (default SWEEP/results.csv)")
     for x in (sp, sr, scl):
         x.set_defaults(func=_scaling("sweep"))
 
@@ -471,25 +482,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("checkpoint", nargs="?", help="a checkpoint or run directory")
     e.add_argument("--out", help="output directory")
-    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    e.add_argument("--shard-size", default="5GB")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="weights' type in the files (router weights and biases stay fp32)")  # fmt: skip
+    e.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     e.add_argument(
         "--drop-mtp", action="store_true", help="leave multi-token-prediction weights out"
     )
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     e.add_argument(
         "--law", help="a scaling law (name or fit JSON) whose prediction goes in the card"
     )
-    e.add_argument("--license", default="apache-2.0")
+    e.add_argument("--license", default="apache-2.0", help="the model card's licence")
     e.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="compare with stock transformers after writing (default: on when it fits in memory)",
     )
-    e.add_argument("--push-to-hub", metavar="ORG/NAME")
-    e.add_argument("--private", action="store_true")
-    e.add_argument("--revision", default=None)
+    e.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload to this Hub repository")
+    e.add_argument("--private", action="store_true", help="create the Hub repository private")
+    e.add_argument("--revision", default=None, help="Hub branch to push to (default main)")
     e.add_argument(
         "--push-only", metavar="DIR", help="push an existing export again (no re-export)"
     )
@@ -511,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "llmtrain_gen")  # fmt: skip
     ev.add_argument("--include-path", action="append", default=[], help="your task YAML folder")
     ev.add_argument("--limit", type=int, default=None, help="documents per task")
-    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ev.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ev.add_argument("--max-length", type=int, default=None,
@@ -564,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LLMTRAIN_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    if any(a in ("-v", "--verbose") for a in argv):  # anywhere on the line, as --debug
+        argv = ["-v", *(a for a in argv if a not in ("-v", "--verbose"))]
     words = [a for a in argv if not a.startswith("-")]
     depth = 3 if words[:2] == ["scaling", "sweep"] else 2 if words[:1] == ["scaling"] else 1
     cmd = " ".join(words[:depth])
@@ -586,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not is_user_error(e) and os.environ.get("LLMTRAIN_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()  # a bug's traceback, without --debug's log levels
-        _say(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "))
+        if not getattr(e, "same_on_every_rank", False) or os.environ.get("RANK", "0") == "0":
+            _say(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "))
         return 2 if is_user_error(e) else 1
 
 

@@ -406,6 +406,18 @@ class Config:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; shorten the sequences or raise the limit"
             )
+        r = m.rope
+        reach = r.factor * r.original_max_position_embeddings
+        if r.type == "yarn" and m.max_position_embeddings > reach:
+            # positions past factor x original are extrapolated, not interpolated; transformers
+            # only warns, so a Hugging Face config.json is not held to this (hf.py)
+            raise ConfigError(
+                f"model.max_position_embeddings={m.max_position_embeddings} is beyond YaRN's reach "
+                f"model.rope.factor x model.rope.original_max_position_embeddings = {r.factor:g} "
+                f"x {r.original_max_position_embeddings} = {reach:g}; raise model.rope.factor to "
+                f"{m.max_position_embeddings / r.original_max_position_embeddings:g} or lower "
+                "model.max_position_embeddings"
+            )
         if self.parallel.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend={self.parallel.backend!r}: use auto, nccl or gloo")
         if self.model.mtp_depth and self.train.seq_len <= self.model.mtp_depth:

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 
 class LlmtrainError(Exception):
-    """Something the user can fix; the message says what is wrong and what to do."""
+    """Something the user can fix; the message says what is wrong and what to do.
+
+    `same_on_every_rank`: the ranks agreed on it collectively (a stop at a step boundary, a
+    run of non-finite steps), so every rank raises the same message and only rank 0 prints it.
+    """
+
+    same_on_every_rank: bool = False
 
 
 class UsageError(LlmtrainError, ValueError):

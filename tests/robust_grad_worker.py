@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-os.environ["LLMTRAIN_FAULT_GRAD_STEPS"] = "2"
+os.environ["LLMTRAIN_FAULT_GRAD_STEPS"] = "3"
 
 from llmtrain.config import load_config  # noqa: E402
 from llmtrain.model import build_model  # noqa: E402
@@ -50,7 +50,7 @@ def run(dtype: str, zero: int, rank: int, world: int, out_dir: Path) -> dict:
     res = {"norms": [], "ok": []}
     before = None
     for step in range(4):
-        fault.arm(step)
+        fault.arm(step + 1)  # steps are numbered from 1, as the trainer's
         if step == 2:
             before = snapshot(engine, model)
         x = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, 33), generator=gen)

@@ -38,8 +38,19 @@ def test_shipped_yaml_shapes_match_their_published_counterparts(capsys):
     ]:
         ours = _count_json(capsys, ROOT / "configs" / f"{yaml_name}.yaml", "--seq-len", "4096")
         ref = _count_json(capsys, FIXTURES / f"{hf_name}_config.json", "--seq-len", "4096")
-        assert ours["total_params"] == ref["total_params"]
-        assert ours["active_params"] == ref["active_params"]
+        for key in ("total_params", "active_params", "mtp_params", "flops_per_token"):
+            assert ours[key] == ref[key], (yaml_name, key)
+    assert ours["mtp_params"] == 0  # V2-Lite ships no MTP layer
+    assert ref["mtp_params"] == 0
+
+
+def test_a_release_config_counts_its_mtp_layers(capsys):
+    out = _count_json(capsys, FIXTURES / "deepseek_v3_config.json")
+    # DeepSeek-V3's report: 671B main model + 14B MTP module = 685B, where the MTP module's
+    # 14B counts its own copy of the embedding and head (0.93B each)
+    emb = out["embedding_params"]
+    assert out["mtp_params"] + 2 * emb == pytest.approx(14e9, rel=0.05)
+    assert out["mtp_flops_per_token"] > 0
 
 
 def test_moe_100m_is_about_100m_active():

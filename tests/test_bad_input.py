@@ -131,6 +131,9 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("heads-dont-divide", {}, ["count", DEBUG, "model.num_heads=5"], ("model.num_heads",)),
     ("zero-stage-4", {}, ["count", DEBUG, "parallel.zero_stage=4"], ("parallel.zero_stage",)),
     ("unknown-flag", {}, ["count", DEBUG, "--bogus"], ("--bogus", "--help")),
+    ("count-zero-stage-0", {}, ["count", DEBUG, "--world-size", "2", "--zero-stage", "0"], ("--zero-stage", "choose from 1, 2, 3")),
+    ("yarn-past-reach", {}, ["count", DEBUG, "model.rope.type=yarn", "model.rope.original_max_position_embeddings=64"],
+     ("beyond YaRN's reach", "model.rope.factor to 8")),
     ("count-negative-seq-len", {}, ["count", DEBUG, "--seq-len", "0"], ("--seq-len",)),
     ("count-impossible-ep", {}, ["count", DEBUG, "--world-size", "4", "--ep-size", "3"], ("--ep-size 3",)),
     ("seq-len-too-long", {}, ["count", DEBUG, "train.seq_len=4096"], ("max_position_embeddings",)),
@@ -186,6 +189,30 @@ def test_debug_flag_and_env_show_the_traceback(capsys, monkeypatch):
     monkeypatch.setenv("LLMTRAIN_DEBUG", "1")
     with pytest.raises(ConfigError, match="hiden_size"):
         main(["count", DEBUG, "model.hiden_size=1"])
+
+
+def test_verbose_flag_anywhere_on_the_line(capsys):
+    assert main(["count", DEBUG, "-v"]) == 0
+    assert main(["count", DEBUG, "--verbose", "--json"]) == 0
+    assert main(["-v", "count", DEBUG]) == 0
+
+
+def test_an_error_every_rank_agreed_on_is_said_by_rank_0_only(capsys, monkeypatch):
+    """A stop the ranks agreed on collectively: one line for the job, not one per rank."""
+    import llmtrain.cli as cli
+    from llmtrain.train.loop import AgreedStop, TrainingError
+
+    def stop(args, err=AgreedStop):
+        raise err("stopped by SIGTERM after step 3: saved; continue with resume=auto")
+
+    monkeypatch.setattr(cli, "cmd_count", stop)
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["count", DEBUG]) == 2
+        assert capsys.readouterr().err.count("error: stopped by SIGTERM") == lines
+    monkeypatch.setattr(cli, "cmd_count", lambda a: stop(a, TrainingError))  # one rank's own
+    assert main(["count", DEBUG]) == 2
+    assert "error: stopped by" in capsys.readouterr().err
 
 
 def test_traceback_env_prints_a_bugs_traceback_not_a_users(capsys, monkeypatch):

@@ -89,6 +89,19 @@ def test_unknown_rope_type_and_cross_section_checks():
     load_config(
         None, ["train.compile=true", "train.dtype=bf16", "train.compile_mode=reduce-overhead"]
     )
+    yarn = ["model.rope.type=yarn", "model.rope.original_max_position_embeddings=128"]
+    with pytest.raises(ConfigError, match="beyond YaRN's reach .* raise model.rope.factor to 4"):
+        load_config(None, [*yarn, "model.rope.factor=2", "model.max_position_embeddings=512"])
+    load_config(None, [*yarn, "model.rope.factor=4", "model.max_position_embeddings=512"])
+
+
+def test_a_hf_config_past_yarns_reach_still_loads():
+    """transformers warns, and loads such a config.json: so do we (count, export, eval)."""
+    from llmtrain.hf import model_config_from_hf, read_hf_config
+
+    hf = read_hf_config(ROOT / "tests" / "fixtures" / "deepseek_v2_lite_config.json")
+    hf["rope_scaling"] = {**hf["rope_scaling"], "factor": 4}  # reach 16K of its 163,840
+    assert model_config_from_hf(hf).rope.factor == 4
 
 
 def test_bad_config_fails_before_any_allocation():

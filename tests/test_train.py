@@ -327,20 +327,22 @@ def test_resume_on_another_layout_keeps_expert_moments(reference, cache, tmp_pat
 def test_nonfinite_steps_are_skipped_then_stop(cache, tmp_path):
     run = tmp_path / "run"
     run_train(
-        run, 1, base(cache, "train.max_steps=6", "train.save_every=2"), LLMTRAIN_FAULT_NAN_STEPS="3"
+        run, 1, base(cache, "train.max_steps=6", "train.save_every=2"), LLMTRAIN_FAULT_NAN_STEPS="4"
     )
     m = metrics(run)
-    assert m[3]["skipped"] and m[3]["skipped_total"] == 1 and not m[4]["skipped"]
+    assert (
+        m[3]["step"] == 4 and m[3]["skipped"] and m[3]["skipped_total"] == 1 and not m[4]["skipped"]
+    )
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m if not r["skipped"])
     stop = tmp_path / "stop"
     p = run_train(stop, 1, base(cache, "train.max_steps=10", "train.save_every=2", "train.max_nonfinite=2"),
-                  check=False, LLMTRAIN_FAULT_NAN_STEPS="4,5")  # fmt: skip
+                  check=False, LLMTRAIN_FAULT_NAN_STEPS="5,6")  # fmt: skip
     assert p.returncode == 2 and "non-finite steps in a row" in p.stderr
     assert (stop / "checkpoints" / "latest").read_text() == "step_00000004"
     # the last step non-finite: nothing to save, and the run does not end as a success
     last = tmp_path / "last"
     p = run_train(last, 1, base(cache, "train.max_steps=4", "train.save_every=2"), check=False,
-                  LLMTRAIN_FAULT_NAN_STEPS="3")  # fmt: skip
+                  LLMTRAIN_FAULT_NAN_STEPS="4")  # fmt: skip
     assert p.returncode == 2 and "final weights were not saved" in p.stderr, p.stderr[-2000:]
     assert (last / "checkpoints" / "latest").read_text() == "step_00000002"
 

@@ -3,12 +3,14 @@
 Why in the library: the failures they simulate (a non-finite loss, a non-finite gradient with a
 finite loss, a full disk during a save) happen inside the trainer, hours into a run; only a hook
 at the exact place shows that the run survives them. Each hook costs one dictionary lookup when
-its variable is unset.
+its variable is unset. Steps are numbered as metrics.jsonl and checkpoint names number them,
+from 1.
 
 - LLMTRAIN_FAULT_NAN_STEPS=3,5   the loss of these steps is multiplied by NaN
 - LLMTRAIN_FAULT_GRAD_STEPS=3    one parameter's gradient becomes NaN on rank 0 (loss stays finite)
 - LLMTRAIN_FAULT_ENOSPC_SAVE=4   the checkpoint save of step 4 raises OSError(ENOSPC) midway
-- LLMTRAIN_FAULT_KILL_RANK=1@5   rank 1 SIGKILLs itself as step 5 starts (a lost node)
+- LLMTRAIN_FAULT_KILL_RANK=1@5   rank 1 SIGKILLs itself as step 5 starts (a lost node), so
+                                 step 4 is the last one it finished
 """
 
 from __future__ import annotations

@@ -46,6 +46,12 @@ class TrainingError(LlmtrainError, RuntimeError):
     """The run stopped for a reason the user can act on (the message says which)."""
 
 
+class AgreedStop(TrainingError):
+    """A stop every rank agreed on collectively; only rank 0 prints its line."""
+
+    same_on_every_rank = True
+
+
 def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int) -> None:
     has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
     if has_run and resume == "never":
@@ -247,7 +253,7 @@ def _train(
     _finish(run, final, last_saved)
     if run.nonfinite_in_row:  # the run's last steps were skipped: its result is not its weights
         ck = run.run_dir / "checkpoints"
-        raise TrainingError(
+        raise AgreedStop(
             f"the last {run.nonfinite_in_row} step(s) were non-finite and skipped, so the final "
             f"weights were not saved; {ck / 'latest'} names the last good checkpoint. Lower "
             "train.lr or check the data, then resume=auto"
@@ -315,7 +321,7 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
                 last_saved = done
             _wait_saves(run, metrics)
             metrics.close()
-            raise TrainingError(_stopped_message(stop.name(signum), done, last_saved, run_dir))
+            raise AgreedStop(_stopped_message(stop.name(signum), done, last_saved, run_dir))
     _wait_saves(run, metrics)
     return final, last_saved
 
@@ -431,8 +437,8 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     cfg, t, layout, engine, model = run.cfg, run.cfg.train, run.layout, run.engine, run.model
     device, rank, world = run.device, run.rank, run.world
     lr = lr_at(t, step)
-    faults.maybe_kill(rank, step)
-    run.grad_fault.arm(step)
+    faults.maybe_kill(rank, step + 1)  # the hooks number steps from 1, as metrics do
+    run.grad_fault.arm(step + 1)
     micro = batches_for_step(
         run.train_ds, step, layout.global_batch, rank, world, layout.micro_batch, t.seed,
         first_sample=step * layout.global_batch + run.sample_base,
@@ -451,12 +457,12 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         out = engine(
             x, labels=y, attention_mask=mask, check_inputs=False
         )  # ids checked once: tokenizer fits
-        loss = out.loss * float("nan") if step in nan_steps else out.loss
+        loss = out.loss * float("nan") if step + 1 in nan_steps else out.loss
         # DeepSpeed accumulates until the last micro-batch, then steps; a non-finite gradient
         # norm makes its ZeRO optimizer skip the update (weights and moments untouched).
         engine.backward(loss)
         engine.step()
-        lm = out.lm_loss.detach().double() * (float("nan") if step in nan_steps else 1.0)
+        lm = out.lm_loss.detach().double() * (float("nan") if step + 1 in nan_steps else 1.0)
         stats += torch.stack([lm, out.aux_loss.detach().double()])
     comm.all_reduce(stats)
     gnorm = engine.grad_norm()
@@ -480,8 +486,8 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
                 step + 1,
                 run.nonfinite_in_row,
             )
-        if run.nonfinite_in_row >= t.max_nonfinite:
-            raise TrainingError(
+        if run.nonfinite_in_row >= t.max_nonfinite:  # `bad` is all-reduced: every rank agrees
+            raise AgreedStop(
                 f"{run.nonfinite_in_row} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite}) at "
                 f"step {step + 1}; the last good checkpoint is kept in {run.run_dir / 'checkpoints'}. Lower "
                 "train.lr, check the data, or raise train.max_nonfinite"
