@@ -236,8 +236,34 @@ def _check_device(device: str) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from llmtrain.errors import UsageError
     from llmtrain.eval import format_results, run_eval
 
+    sharded = args.sharded or int(os.environ.get("WORLD_SIZE", "1")) > 1  # under a launcher
+    if sharded:
+        if args.watch:
+            raise UsageError("--watch evaluates through the export in one process; under the "
+                             "deepspeed launcher (--sharded) evaluate one checkpoint at a time, "
+                             "RUN/checkpoints/step_N")  # fmt: skip
+        if args.device is not None or args.dtype is not None:
+            raise UsageError("--sharded computes on each rank's own device in the run's "
+                             "train.dtype: drop --device/--dtype (a train.dtype=... override "
+                             "changes the dtype)")  # fmt: skip
+        from llmtrain.eval.sharded import evaluate_sharded
+
+        res = evaluate_sharded(args.model, args.tasks, args.overrides,
+                               include_path=args.include_path, limit=args.limit,
+                               batch_size=args.batch_size, max_length=args.max_length)  # fmt: skip
+        if res is None:  # ranks other than 0: rank 0 reports
+            return 0
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+        print(json.dumps(res["results"], indent=2) if args.json else format_results(res))
+        return 0
+    if args.overrides:
+        raise UsageError(f"overrides ({' '.join(args.overrides)}) apply with --sharded, to the "
+                         "run's config; the export path takes none")  # fmt: skip
+    args.device, args.dtype = args.device or "cpu", args.dtype or "float32"
     _check_device(args.device)
     if args.watch:
         from llmtrain.eval.watch import watch
@@ -518,14 +544,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="lm-evaluation-harness tasks on a run, checkpoint or HF dir")
     ev.add_argument("model", help="a run directory, a checkpoint, or a Hugging Face directory")
+    ev.add_argument("overrides", nargs="*",
+                    help="--sharded: a.b=c overrides of the run's config (e.g. parallel.ep_size)")  # fmt: skip
+    ev.add_argument("--sharded", action="store_true",
+                    help="load the run's checkpoint at its own layout over the ranks of a "
+                         "deepspeed launch (ZeRO partitions, experts split), no export: no rank "
+                         "holds more than it trained with (the default under a launcher)")  # fmt: skip
+    ev.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ev.add_argument("--tasks", nargs="+", default=["llmtrain_ppl", "llmtrain_mc"],
                     help="task names; the shipped offline tasks are llmtrain_ppl, llmtrain_mc, "
                          "llmtrain_gen")  # fmt: skip
     ev.add_argument("--include-path", action="append", default=[], help="your task YAML folder")
     ev.add_argument("--limit", type=int, default=None, help="documents per task")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
-    ev.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
+    ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the exported model's dtype in transformers (default float32)")  # fmt: skip
     ev.add_argument("--max-length", type=int, default=None,
                     help="context length in tokens (default: the model's maximum positions); "
                          "the run's train.seq_len gives periodic evaluation's scores")  # fmt: skip

@@ -148,6 +148,12 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("hf-overrides", {"h/config.json": "@v3:hidden_size=7168"}, ["count", "{tmp}/h", "model.hidden_size=128"],
      ("model.hidden_size=128", "YAML")),
     ("hf-gelu", {"h/config.json": "@v3:hidden_act=gelu"}, ["count", "{tmp}/h"], ("hidden_act='gelu'",)),
+    ("eval-sharded-watch", {}, ["eval", "{tmp}", "--sharded", "--watch"], ("--watch", "one checkpoint at a time")),
+    ("eval-sharded-device", {}, ["eval", "{tmp}", "--sharded", "--device", "cuda"], ("--device/--dtype",)),
+    ("eval-overrides-unsharded", {}, ["eval", "{tmp}", "parallel.ep_size=2"], ("apply with --sharded",)),
+    ("eval-sharded-hf-dir", {"h/config.json": "@v3:hidden_size=7168"}, ["eval", "{tmp}/h", "--sharded"],
+     ("Hugging Face directory", "drop --sharded")),
+    ("eval-sharded-no-checkpoint", {"r/checkpoints/x": ""}, ["eval", "{tmp}/r", "--sharded"], ("no complete checkpoint",)),
     ("eval-device-typo", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "gpu0"], ("--device gpu0",)),
     ("eval-device-no-cuda", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "cuda:7"], ("--device cuda:7", "CUDA device")),
 ]  # fmt: skip

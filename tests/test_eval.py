@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 from datetime import timedelta
 
 import numpy as np
@@ -23,7 +24,7 @@ from llmtrain.export import save_consolidated  # noqa: E402
 from llmtrain.model import build_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
-from .train_utils import free_port, metrics, run_then_exit, run_train  # noqa: E402
+from .train_utils import VENV_BIN, env, free_port, metrics, run_then_exit, run_train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def _eval_run(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
     return metrics(run), p
 
 
-def test_training_logs_periodic_evals(tmp_path, capsys):
+def test_training_logs_periodic_evals(tmp_path, capsys, monkeypatch):
     recs, p = _eval_run(tmp_path, "run", 1, "train.eval_tasks=[llmtrain_ppl,llmtrain_mc]",
                         "train.eval_tasks_limit=4")  # fmt: skip
     assert "preparing data into" in p.stderr  # train prepares a missing cache, and says so
@@ -118,6 +119,20 @@ def test_training_logs_periodic_evals(tmp_path, capsys):
     assert offline.keys() == {k for k in recs[-1] if k.startswith("eval/")}
     for k, v in offline.items():
         assert recs[-1][k] == pytest.approx(v, rel=1e-5), k
+    # --sharded: the checkpoint in the run's own engine, no export, the same scores, and only
+    # the weight pieces read (no Adam moments, no RNG)
+    import llmtrain.checkpoint.format as fmt
+
+    read, load_pieces = [], fmt.load_pieces
+    monkeypatch.setattr(fmt, "load_pieces", lambda ck, pieces, blobs=(), **kw: (
+        read.extend([p.key for p in pieces] + list(blobs)), load_pieces(ck, pieces, blobs, **kw))[1])  # fmt: skip
+    assert main(["eval", str(tmp_path / "run"), "--sharded", "--tasks", "llmtrain_ppl",
+                 "llmtrain_mc", "--limit", "4", "--max-length", str(seq_len), "--json"]) == 0  # fmt: skip
+    sharded = flat_metrics({"results": json.loads(capsys.readouterr().out)})
+    assert read and all(k.startswith("model/") for k in read), read
+    assert sharded.keys() == offline.keys()
+    for k, v in offline.items():
+        assert sharded[k] == pytest.approx(v, rel=1e-5), k
 
 
 @pytest.mark.slow  # ~2 min: three training runs, two of them on two ranks
@@ -140,6 +155,20 @@ def test_periodic_evals_on_sharded_ranks_match_one_rank_and_change_nothing(tmp_p
     assert [r["val_loss"] for r in two if "val_loss" in r] == [
         r["val_loss"] for r in plain if "val_loss" in r
     ]
+    # `llmtrain eval --sharded` of the step-4 checkpoint under the launcher, at the run's layout
+    # (ZeRO-3, experts split): the scores training logged at step 4; rank 0 alone prints them
+    seq_len = load_config(tmp_path / "two" / "config.yaml").train.seq_len
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "llmtrain.eval", str(tmp_path / "two"), "--tasks", "llmtrain_ppl",
+           "llmtrain_mc", "llmtrain_gen", "--limit", "5", "--max-length", str(seq_len), "--json"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    start = re.search(r"^\{$", p.stdout, re.M)  # the JSON, among the launcher's own lines
+    assert start and len(re.findall(r"^\{$", p.stdout, re.M)) == 1, p.stdout[-3000:]  # rank 0
+    scores = flat_metrics({"results": json.JSONDecoder().raw_decode(p.stdout[start.start() :])[0]})
+    assert scores.keys() == {k for k in two[-1] if k.startswith("eval/")}
+    for k, v in scores.items():
+        assert v == pytest.approx(two[-1][k], rel=1e-5), k
 
 
 def _instances(kind: str, args: list[tuple]) -> list:

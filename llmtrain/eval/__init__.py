@@ -7,7 +7,8 @@ published model would get. Offline task fixtures ship in `llmtrain/eval/tasks/`:
 `llmtrain_ppl` (held-out perplexity on text, loglikelihood_rolling), `llmtrain_mc` (multiple
 choice) and `llmtrain_gen` (greedy completion, exact match); more task folders come in through
 `include_path`. Periodic evaluation during training runs the same tasks on the training model
-itself, on every rank (`llmtrain.eval.live`).
+itself, on every rank (`llmtrain.eval.live`); `--sharded` does that for a saved checkpoint, under
+the deepspeed launcher, for models no single device holds (`llmtrain.eval.sharded`).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class Checkpointer:
     def _buffers(self):
         return [(n, b) for n, b in self.model.named_buffers() if _is_bias(n)]
 
-    def _pieces(self) -> tuple[list[Piece], dict[str, dict]]:
+    def _pieces(self, moments: bool = True) -> tuple[list[Piece], dict[str, dict]]:
         pieces, index = [], {}
         for name, p, full, off in self._params():
             n_full = math.prod(full)
@@ -126,7 +126,7 @@ class Checkpointer:
             start, views = frag
             k = views["fp32"].numel()
             pieces.append(Piece(fmt.model_key(name), n_full, off + start, k, tensor=views["fp32"]))
-            for m in MOMENTS:
+            for m in MOMENTS if moments else ():
                 pieces.append(
                     Piece(fmt.moment_key(m, name), n_full, off + start, k, tensor=views[m])
                 )
@@ -239,28 +239,31 @@ class Checkpointer:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, ck: Path) -> dict:
+    def restore(self, ck: Path, weights_only: bool = False) -> dict:
         """Write the checkpoint's weights, Adam moments, router biases and RNG into the engine and
-        model (after `Engine(...)`); returns the run state."""
+        model (after `Engine(...)`); returns the run state. `weights_only`: the weights and router
+        biases alone (evaluation): each rank reads the byte ranges of its own weight pieces."""
         state = self.read_state(ck)
         self.engine.prepare_optimizer_state(int(state.get("optimizer_step", state["step"])))
         if fmt.is_sharded(ck):
-            self._restore_sharded(ck)
+            self._restore_sharded(ck, not weights_only)
         elif fmt.is_legacy(ck):
-            self._restore_legacy(ck)
+            self._restore_legacy(ck, not weights_only)
         else:
             raise CheckpointError(f"checkpoint {ck} holds no weights")
         self.engine.refresh_low_precision()
         return state
 
-    def _restore_sharded(self, ck: Path) -> None:
+    def _restore_sharded(self, ck: Path, moments: bool = True) -> None:
         index = json.loads((ck / fmt.INDEX_FILE).read_text())["tensors"]
-        pieces, want = self._pieces()
+        pieces, want = self._pieces(moments)
         missing = [n for n in want if n not in index]
         if missing:
             raise CheckpointError(f"checkpoint {ck} lacks {missing[:5]}; written for another "
                                   "model config?")  # fmt: skip
-        if not any(index[n].get("moments") for n, info in want.items() if info["moments"]):
+        if moments and not any(
+            index[n].get("moments") for n, info in want.items() if info["moments"]
+        ):
             raise CheckpointError(f"checkpoint {ck} holds weights only, no optimizer state (an "
                                   "export's checkpoint?); resume from a training checkpoint, "
                                   "RUN/checkpoints/step_*")  # fmt: skip
@@ -269,12 +272,12 @@ class Checkpointer:
                 raise CheckpointError(f"{name}: checkpoint shape {index[name]['shape']} != model "
                                       f"{info['shape']}; it comes from another model config")  # fmt: skip
         key = f"rng/{self.rank}"
-        blobs = fmt.load_pieces(ck, pieces, [key])
+        blobs = fmt.load_pieces(ck, pieces, [key] if moments else [])
         _check_finite(ck, pieces)
         if key in blobs:
             _set_rng(blobs[key])
 
-    def _restore_legacy(self, ck: Path) -> None:
+    def _restore_legacy(self, ck: Path, moments: bool = True) -> None:
         """Every rank reads the byte ranges of its pieces (weights and both moments)."""
         src = LegacyReader(ck)
         have = set(src.names())
@@ -290,13 +293,13 @@ class Checkpointer:
                 if tuple(src.shape(name)) != tuple(full):
                     raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape(name))} != "
                                           f"model {tuple(full)}")  # fmt: skip
-                for key in ("fp32", *MOMENTS):
+                for key in ("fp32", *(MOMENTS if moments else ())):
                     t = src.elements(name, None if key == "fp32" else key, off + start, n)
                     views[key].copy_(t)
             for name, b in self._buffers():
                 if name in have:
                     b.copy_(src.read(name))
-        rng = src.rng()
+        rng = src.rng() if moments else None
         if rng is not None:
             torch.set_rng_state(rng)
 

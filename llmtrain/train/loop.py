@@ -379,19 +379,29 @@ def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
 
 
 def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
-    """Model (from the seed, or `train.init_from`'s weights) and the DeepSpeed engine. Each rank
-    allocates only what it keeps: its experts, and under ZeRO-3 its partition (zero.Init); a
-    resume then writes the checkpoint's pieces into the engine (`_restore`)."""
-    from llmtrain.parallel.engine import sharded_build, zero3_partition
+    """Model (from the seed, or `train.init_from`'s weights) and the DeepSpeed engine; a resume
+    then writes the checkpoint's pieces into the engine (`_restore`)."""
+    run.model, run.engine = build_model_and_engine(run.cfg, run.layout, run.device, Engine,
+                                                   make_dispatcher, init_from)  # fmt: skip
+    run.grad_fault = faults.GradFault(run.model, run.rank)  # LLMTRAIN_FAULT_GRAD_STEPS (tests)
+    run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
 
-    cfg, t = run.cfg, run.cfg.train
-    dispatcher = make_dispatcher(run.layout)
-    hooks = sharded_build(cfg, run.layout, dispatcher)
-    partition = zero3_partition if "init_context" in hooks else None  # ZeRO-3's flat partitions
+
+def build_model_and_engine(cfg: Config, layout, device, Engine=None, make_dispatcher=None,
+                           init_from: str | None = None):  # fmt: skip
+    """(model, engine) at `layout`. Each rank allocates only what it keeps: its experts, and
+    under ZeRO-3 its partition (zero.Init). Training and `llmtrain eval --sharded` build so."""
+    from llmtrain.parallel import engine as eng
+
+    Engine, make_dispatcher = Engine or eng.Engine, make_dispatcher or eng.make_dispatcher
+    t = cfg.train
+    dispatcher = make_dispatcher(layout)
+    hooks = eng.sharded_build(cfg, layout, dispatcher)
+    partition = eng.zero3_partition if "init_context" in hooks else None  # ZeRO-3's partitions
     # bf16 weights from the start (routers fp32): DeepSpeed makes its fp32 masters from the bf16
     # weights anyway, and an fp32 model would need twice the device memory before the engine
     dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
-    model = build_model(cfg.model, device=run.device, dtype=dtype, seed=t.seed,
+    model = build_model(cfg.model, device=device, dtype=dtype, seed=t.seed,
                         dispatcher=dispatcher, **hooks)  # fmt: skip
     if init_from:
         from llmtrain.hf import load_hf_into, model_config_from_hf
@@ -404,10 +414,8 @@ def _build(run: _Run, Engine, make_dispatcher, init_from: str | None) -> None:
     if t.compile:
         from llmtrain.train.compile import compile_blocks
 
-        compile_blocks(model, expert_parallel=run.layout.ep_size > 1, mode=t.compile_mode)
-    run.model, run.engine = model, Engine(model, cfg, run.layout)
-    run.grad_fault = faults.GradFault(model, run.rank)  # LLMTRAIN_FAULT_GRAD_STEPS (tests)
-    run.checkpointer.model, run.checkpointer.engine = run.model, run.engine
+        compile_blocks(model, expert_parallel=layout.ep_size > 1, mode=t.compile_mode)
+    return model, Engine(model, cfg, layout)
 
 
 def _restore(run: _Run, ck_dir: Path | None, flops_per_token: float) -> dict:
