@@ -562,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the exported model's dtype in transformers (default float32)")  # fmt: skip
     ev.add_argument("--max-length", type=int, default=None,
                     help="context length in tokens (default: the model's maximum positions); "
-                         "the run's train.seq_len gives periodic evaluation's scores")  # fmt: skip
+                         "the run's train.seq_len gives periodic evaluation's scores (fp32 runs; "
+                         "--sharded for bf16 ones)")  # fmt: skip
     ev.add_argument(
         "--json",
         action="store_true",

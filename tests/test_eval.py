@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -130,9 +131,25 @@ def test_training_logs_periodic_evals(tmp_path, capsys, monkeypatch):
                  "llmtrain_mc", "--limit", "4", "--max-length", str(seq_len), "--json"]) == 0  # fmt: skip
     sharded = flat_metrics({"results": json.loads(capsys.readouterr().out)})
     assert read and all(k.startswith("model/") for k in read), read
+    # the group of one it made is gone with its variables (a later `llmtrain train` child
+    # would take them for a launcher's, and a port this process may still hold)
+    assert not {"WORLD_SIZE", "MASTER_PORT", "RANK"} & set(os.environ)
     assert sharded.keys() == offline.keys()
     for k, v in offline.items():
         assert sharded[k] == pytest.approx(v, rel=1e-5), k
+
+
+def test_sharded_eval_of_a_bf16_run_gives_its_periodic_scores(tmp_path, capsys):
+    """Periodic evaluation computes in train.dtype; so does --sharded (the export path's fp32
+    scores differ by ~2e-3 for a bf16 run)."""
+    recs, _ = _eval_run(tmp_path, "run", 1, "train.dtype=bf16", "train.eval_tasks=[llmtrain_ppl]",
+                        "train.eval_tasks_limit=4")  # fmt: skip
+    seq_len = load_config(tmp_path / "run" / "config.yaml").train.seq_len
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--sharded", "--tasks", "llmtrain_ppl", "--limit",
+                 "4", "--max-length", str(seq_len), "--json"]) == 0  # fmt: skip
+    got = flat_metrics({"results": json.loads(capsys.readouterr().out)})
+    assert got and all(got[k] == pytest.approx(recs[-1][k], rel=1e-6) for k in got), got
 
 
 @pytest.mark.slow  # ~2 min: three training runs, two of them on two ranks
@@ -422,7 +439,7 @@ def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, cap
         return {"results": {"t": {"acc,none": float(name[-1])}}}
 
     monkeypatch.setattr(w, "run_eval", fake_eval)
-    monkeypatch.setattr(w, "task_manager", lambda tasks, include=None: None)
+    monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
     monkeypatch.setattr(w.time, "sleep", lambda s: None)
     with caplog.at_level("WARNING"):
         res = w.watch(run, ["t"], poll=0, until_step=4)
@@ -449,10 +466,90 @@ def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, cap
     monkeypatch.setattr(w, "run_eval", broken_eval)
     with pytest.raises(RuntimeError, match="a real failure"):
         w.watch(run, ["t"], poll=0, limit=3)
+
+    def pruned_then_broken(ck, tasks, **kw):  # the snapshot is whole: the failure is real
+        shutil.rmtree(ckdir / ck.name[:13], ignore_errors=True)
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(w, "run_eval", pruned_then_broken)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        w.watch(run, ["t"], poll=0, limit=4)
+    assert time.monotonic() - t0 < 5  # at once, not after the deletion wait
     lock = w._lock(run / w.RESULTS_FILE)
     with pytest.raises(EvalError, match="another watcher"):
         w.watch(run, ["t"], poll=0)
     lock.close()
+
+
+def test_a_restarted_watch_follows_the_runs_present_trajectory(tmp_path, monkeypatch):
+    """Rows of an earlier trajectory do not end a restarted watcher: after a rollback (step 6
+    not saved again yet) it waits for the new step 6; after a continued run raised max_steps
+    (RUN/config.yaml, the latest launch) it waits for the new last step."""
+    import yaml
+
+    import llmtrain.eval.watch as w
+
+    run = _fake_run(tmp_path, ["step_00000002", "step_00000004", "step_00000006"], max_steps=6)
+    ckdir = run / "checkpoints"
+    monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: {"results": {"t": {"a": 1.0}}})
+    monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
+    assert [r["step"] for r in w.watch(run, ["t"], poll=0).rows] == [2, 4, 6]
+    # rolled back to step 2 and resumed: step 4 saved again, step 6 not yet
+    shutil.rmtree(ckdir / "step_00000006")
+    (ckdir / "step_00000004" / "state.json").write_text(json.dumps({"step": 4, "loss": 0.7}))
+    res = w.watch(run, ["t"], poll=0.01, timeout=0.3)
+    assert [r["step"] for r in res.rows] == [4] and not res.finished
+    # continued to max_steps 12: the run's config.yaml says so before its next save lands
+    shutil.copytree(ckdir / "step_00000002", ckdir / "step_00000006", dirs_exist_ok=True)
+    (ckdir / "step_00000006" / "state.json").write_text(json.dumps({"step": 6, "loss": 0.6}))
+    cfg = yaml.safe_load((ckdir / "step_00000006" / "config.yaml").read_text())
+    cfg["train"]["max_steps"] = 12
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = w.watch(run, ["t"], poll=0.01, timeout=0.3)
+    assert [r["step"] for r in res.rows] == [6] and not res.finished  # 8..12 still to come
+
+
+def test_eval_checks_what_needs_no_weights_before_the_export(checkpoint, tmp_path, monkeypatch):
+    """Bad tasks, task files, --limit and a missing tokenizer are told before the model is
+    exported (terabytes at 671B), each as one line naming what to fix."""
+    import llmtrain.export as export
+
+    ck = checkpoint[0]
+    monkeypatch.setattr(export, "export", lambda *a, **k: pytest.fail("exported first"))
+    for kw, needle in (({"tasks": ["no_such_task"]}, "unknown task"),
+                       ({"tasks": ["llmtrain_mc"], "limit": 0}, "--limit 0"),
+                       ({"tasks": ["llmtrain_mc"], "max_length": 1}, "--max-length 1")):  # fmt: skip
+        with pytest.raises(EvalError, match=needle):
+            run_eval(ck, **kw)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text("task: mine\ndataset_path: [json\n")
+    with pytest.raises(EvalError, match="broken.yaml"):
+        run_eval(ck, ["mine"], include_path=[str(bad)])
+    typo = tmp_path / "typo"
+    typo.mkdir()
+    text = (TASKS_DIR / "llmtrain_mc.yaml").read_text().replace("task: llmtrain_mc", "task: typo")
+    (typo / "typo.yaml").write_text(re.sub(r"doc_to_text: .*", 'doc_to_text: "{{contxt}}"', text))
+    with pytest.raises(EvalError, match="typo: Cannot import module 'utils'"):  # no utils.py
+        run_eval(ck, ["typo"], include_path=[str(typo)])
+    for f in ("utils.py", "mc.jsonl", "ppl.jsonl"):
+        shutil.copy(TASKS_DIR / f, typo / f)
+    with pytest.raises(EvalError, match="typo: a template does not render"):
+        run_eval(ck, ["typo"], include_path=[str(typo)])
+    notok = tmp_path / "notok"
+    shutil.copytree(ck, notok)
+    (notok / "tokenizer.json").unlink()
+    with pytest.raises(EvalError, match="no tokenizer.json"):
+        run_eval(notok, ["llmtrain_mc"])
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("{}")
+    (fresh / "metrics.jsonl").write_text("")
+    from llmtrain.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint yet"):
+        run_eval(fresh, ["llmtrain_mc"])
 
 
 def test_watch_stops_at_the_last_step_the_run_saves(tmp_path, monkeypatch):
@@ -462,7 +559,7 @@ def test_watch_stops_at_the_last_step_the_run_saves(tmp_path, monkeypatch):
 
     run = _fake_run(tmp_path, ["step_00000003"], max_steps=4, save_every=3, save_final=False)
     monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: {"results": {"t": {"a": 1.0}}})
-    monkeypatch.setattr(w, "task_manager", lambda tasks, include=None: None)
+    monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
     assert w.last_saved_step(run / "checkpoints" / "step_00000003") == 3
     res = w.watch(run, ["t"], poll=0.01, timeout=5)
     assert res.finished and [r["step"] for r in res.rows] == [3]

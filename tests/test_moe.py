@@ -213,3 +213,23 @@ def test_sort_routing_cuda_takes_matches_topk(scoring, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     v, i = top(torch.randn(5, 8), 3, by_sort=True)
     assert v.is_contiguous() and i.is_contiguous()
+
+
+def test_expert_stats_name_the_busiest_expert_parallel_rank():
+    """Global loads [3]*E/2 + [1]*E/2 over 2 EP ranks: rank 0 computes 3/2 of the mean rank's
+    rows; over 4 ranks the same loads give 3/2 too, and per expert max/mean is 3/2."""
+    from llmtrain.model import build_model
+    from llmtrain.train.metrics import expert_stats
+
+    cfg = _cfg()
+    model = build_model(cfg, seed=0)
+    e, n = cfg.n_routed_experts, len(model.moe_layers())
+    loads = torch.tensor([3.0] * (e // 2) + [1.0] * (e // 2)).repeat(n, 1)
+    one = expert_stats(model, loads)
+    assert one["moe/max_over_mean"] == pytest.approx(1.5) and "moe/ep_rank_max_over_mean" not in one
+    for ep in (2, 4):
+        assert expert_stats(model, loads, ep_size=ep)["moe/ep_rank_max_over_mean"] == pytest.approx(
+            1.5
+        )
+    even = torch.tensor([3.0, 1.0] * (e // 2)).repeat(n, 1)  # each rank gets hot and cold experts
+    assert expert_stats(model, even, ep_size=2)["moe/ep_rank_max_over_mean"] == pytest.approx(1.0)

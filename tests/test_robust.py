@@ -599,6 +599,9 @@ def test_export_keeps_the_users_special_tokens(tmp_path):
     assert back(text)["input_ids"] == tok.encode(text, add_special_tokens=False).ids
     cfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["clean_up_tokenization_spaces"] is False
+    ids = tok.encode("x .", add_special_tokens=False).ids
+    assert back.decode(ids) == tok.decode(ids)  # " ." kept (a 4.x default would make it ".")
 
 
 def _hf_dir_without_mtp(path):

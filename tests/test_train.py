@@ -71,7 +71,10 @@ def test_single_process_run_outputs(reference):
 )  # fmt: skip
 def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
     run_train(tmp_path / "run", 2, base(cache, *layout))
-    ref, got = metrics(reference), metrics(tmp_path / "run")
+    _matches_one_process(metrics(reference), metrics(tmp_path / "run"))
+
+
+def _matches_one_process(ref: list[dict], got: list[dict]) -> None:
     assert len(got) == STEPS
     for a, b in zip(ref, got):
         assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
@@ -85,6 +88,19 @@ def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
     assert _rel(ref[-1]["val_loss"], got[-1]["val_loss"]) < 1e-4
 
 
+@pytest.mark.slow  # ~1.5 min: 4 ranks on 2 cores
+def test_four_ranks_ep2_match_one_process(reference, cache, tmp_path):
+    """EP 2 x 2 expert-data-parallel replicas: the one layout where expert gradients averaged
+    over the world (right) differ from averages over the EP group or the replicas (a wrong
+    factor of 2, which the gradient norm shows)."""
+    run = tmp_path / "run"
+    run_train(run, 4, base(cache, "parallel.zero_stage=1", "parallel.ep_size=2"))
+    ref, got = metrics(reference), metrics(run)
+    _matches_one_process(ref, got)
+    assert "moe/ep_rank_max_over_mean" not in ref[0]
+    assert all(1 <= r["moe/ep_rank_max_over_mean"] <= 2 for r in got)  # 2 EP ranks
+
+
 def test_resume_with_another_global_batch_continues_the_sample_stream(reference, cache, tmp_path):
     """Resuming step 10 (8 samples a step) at 16 a step: samples 80.. follow, none skipped, and
     the counters add up; a model setting DeepSeek-V3 changes late (MTP weight, bias speed) is
@@ -92,9 +108,10 @@ def test_resume_with_another_global_batch_continues_the_sample_stream(reference,
     ck = reference / "checkpoints" / "step_00000010"
     run = tmp_path / "run"
     over = base(cache, f"resume={ck}", "train.max_steps=12", "train.global_batch_size=16",
-                "model.bias_update_speed=0.0")  # fmt: skip
+                "model.bias_update_speed=0.0", "model.aux_loss_alpha=0")  # fmt: skip
     p = run_train(run, 1, over)
     assert "model.bias_update_speed changes from 0.001 to 0.0" in p.stderr
+    assert "no load balancing" in p.stderr  # both balancing terms are now off
     assert "learning rate jumps" in p.stderr and "set the final value" in p.stderr
     state = json.loads((run / "checkpoints" / "step_00000012" / "state.json").read_text())
     assert state["consumed_samples"] == 10 * 8 + 2 * 16

@@ -796,6 +796,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if ck is None:
             raise CheckpointError(f"run directory {p} has no complete checkpoint yet")
         return ck
+    if (p / "config.yaml").is_file() and (p / "metrics.jsonl").is_file():  # before its 1st save
+        raise CheckpointError(f"run directory {p} has no checkpoint yet (the first is saved at "
+                              "step train.save_every); `llmtrain eval --watch` waits for it")  # fmt: skip
     raise CheckpointError(
         f"{p} is neither a checkpoint (state.json) nor a run directory (checkpoints/)"
     )

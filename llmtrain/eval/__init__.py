@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ def task_manager(tasks: list[str], include_path: list[str] | None = None):
         paths.append(str(p))
     tm = TaskManager(include_path=paths, include_defaults=False)
     if any(t not in tm.all_tasks for t in tasks):
+        broken = _unreadable_task_files(include_path or [])
+        if broken:  # a task in a file that does not parse is "unknown": say which file and why
+            raise EvalError(
+                f"task(s) {', '.join(t for t in tasks if t not in tm.all_tasks)} not found, and "
+                f"these task files do not parse: {'; '.join(broken[:3])}"
+            )
         tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
@@ -60,6 +67,78 @@ def task_manager(tasks: list[str], include_path: list[str] | None = None):
             "llmtrain_mc and llmtrain_gen; add your own with --include-path DIR"
         )
     return tm
+
+
+def _unreadable_task_files(include_path: list[str]) -> list[str]:
+    """'FILE: error' for each task YAML under the folders that YAML cannot parse (the harness
+    skips such files silently). Tags such as `!function` are not resolved here."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    out = []
+    for folder in include_path:
+        for f in sorted(Path(folder).rglob("*.yaml")):
+            try:
+                yaml.load(f.read_text(), Loader=Loader)  # noqa: S506 (a SafeLoader)
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
+                out.append(f"{f}: {' '.join(str(e).split())[:200]}")
+    return out
+
+
+@contextmanager
+def task_errors(tasks: list[str]):
+    """A task's own mistakes (a `!function` module that does not import, a template naming a
+    field its documents lack) as one EvalError naming the tasks, not as a bug of ours."""
+    try:
+        yield
+    except ImportError as e:
+        raise EvalError(f"task(s) {', '.join(tasks)}: {e}; fix the task's YAML or its Python "
+                        "module, or install what it imports") from e  # fmt: skip
+    except Exception as e:
+        import jinja2
+
+        if not isinstance(e, jinja2.TemplateError):
+            raise
+        raise EvalError(f"task(s) {', '.join(tasks)}: a template does not render "
+                        f"({type(e).__name__}: {e}); fix the task's YAML") from e  # fmt: skip
+
+
+def check_eval_args(
+    tasks: list[str],
+    include_path: list[str] | None = None,
+    limit: int | None = None,
+    max_length: int | None = None,
+) -> None:
+    """What needs no weights, checked before any export or checkpoint is read: the harness, the
+    tasks (their files, data and first documents), --limit and --max-length."""
+    _require_lm_eval()
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: give at least 1 document per task, or leave it out "
+                        "for all of them")  # fmt: skip
+    if max_length is not None and max_length < 2:
+        raise EvalError(f"--max-length {max_length}: give at least 2 tokens")
+    from llmtrain.eval.live import check_tasks
+
+    check_tasks(list(tasks), max_length, include_path)
+
+
+def check_tokenizer(path: Path) -> None:
+    """A model without a tokenizer would fail only after the export, inside transformers, with
+    advice to install sentencepiece."""
+    from llmtrain.checkpoint.format import resolve_checkpoint
+
+    if is_hf_dir(path):
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            raise EvalError(f"{path} has no tokenizer (tokenizer.json); copy the model's "
+                            "tokenizer files into it")  # fmt: skip
+        return
+    ck = resolve_checkpoint(path)
+    if not (ck / "tokenizer.json").is_file():
+        raise EvalError(f"{ck} has no tokenizer.json; copy the run's tokenizer (the "
+                        "prepared data's tokenizer.json) into it")  # fmt: skip
 
 
 def evaluate_hf_dir(
@@ -77,14 +156,17 @@ def evaluate_hf_dir(
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    tm = task_manager(list(tasks), include_path)
+    from llmtrain.eval.live import cached_task_manager, no_environment_report
+
+    tm = cached_task_manager(list(tasks), include_path)
     from llmtrain.hf import quiet_transformers_load
 
     with quiet_transformers_load():
         lm = HFLM(pretrained=str(hf_dir), device=device, dtype=dtype, batch_size=batch_size,
                   max_length=max_length)  # fmt: skip
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                                  log_samples=False, bootstrap_iters=0, verbosity="WARNING")  # fmt: skip
+    with task_errors(list(tasks)), no_environment_report():
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                                      log_samples=False, bootstrap_iters=0, verbosity="WARNING")  # fmt: skip
     if res is None:
         raise EvalError("the harness returned no results (not rank 0 of its own launcher?)")
     return res
@@ -100,13 +182,13 @@ def run_eval(
     dtype: str = "float32",
     max_length: int | None = None,
 ) -> dict:
-    """`llmtrain eval`: a run dir, checkpoint or HF dir -> harness results."""
-    _require_lm_eval()
-    if max_length is not None and max_length < 2:
-        raise EvalError(f"--max-length {max_length}: give at least 2 tokens")
+    """`llmtrain eval`: a run dir, checkpoint or HF dir -> harness results. Everything that
+    needs no weights is checked before the export."""
     path = Path(model)
     if not path.exists():
         raise EvalError(f"{path} does not exist; give a run directory, checkpoint or HF directory")
+    check_tokenizer(path)
+    check_eval_args(tasks, include_path, limit, max_length)
     if is_hf_dir(path):
         return evaluate_hf_dir(path, tasks, include_path, limit, batch_size, device, dtype,
                                max_length)  # fmt: skip

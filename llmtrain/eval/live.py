@@ -307,18 +307,55 @@ def cached_task_manager(tasks: list[str], include_path: list[str] | None = None)
     return _TASK_MANAGERS[key]
 
 
-def check_tasks(tasks: list[str], max_length: int, include_path: list[str] | None = None) -> None:
-    """Load the tasks (their data included) and check what periodic evaluation can run:
-    before training, so that a bad task fails at once rather than at the first evaluation."""
+def check_tasks(
+    tasks: list[str], max_length: int | None, include_path: list[str] | None = None
+) -> None:
+    """Load the tasks (their data included), render each one's first document, and check what
+    generation can run within `max_length` (None: not checked): before training or an export,
+    so that a bad task fails at once rather than at the first evaluation."""
+    from llmtrain.eval import task_errors
+
     tm = cached_task_manager(list(tasks), include_path)
-    with kept_rng_state():
+    with kept_rng_state(), task_errors(list(tasks)):
         loaded = tm.load(list(tasks))["tasks"]
-    for name, task in loaded.items():
-        if task.config.output_type == "generate_until":
-            try:
-                generation_args(task.config.generation_kwargs, max_length, "")
-            except EvalError as e:
-                raise EvalError(f"task {name}: {e}") from None
+        for name, task in loaded.items():
+            if not hasattr(task, "config"):  # a group's entry, not a task
+                continue
+            with task_errors([name]):
+                _render_first(task)
+            if task.config.output_type == "generate_until" and max_length is not None:
+                try:
+                    generation_args(task.config.generation_kwargs, max_length, "")
+                except EvalError as e:
+                    raise EvalError(f"task {name}: {e}") from None
+
+
+def _render_first(task) -> None:
+    """The first document through the task's templates: a field name the documents lack fails
+    here, not after the model has been loaded."""
+    docs = task.eval_docs
+    doc = next(iter(docs), None)
+    if doc is None:
+        raise EvalError(f"task {task.config.task}: no documents to evaluate")
+    task.doc_to_text(doc)
+    task.doc_to_target(doc)
+    if task.config.output_type == "multiple_choice":
+        task.doc_to_choice(doc)
+
+
+@contextmanager
+def no_environment_report():
+    """simple_evaluate's report of the environment (torch's collect_env, git, nvidia-smi in
+    subprocesses: 0.6-2 s) is thrown away here (only "results" is read), and during training the
+    other ranks would wait for it at every periodic evaluation."""
+    import lm_eval.evaluator as ev
+
+    saved = ev.add_env_info, ev.get_git_commit_hash
+    ev.add_env_info, ev.get_git_commit_hash = (lambda results: None), (lambda: None)
+    try:
+        yield
+    finally:
+        ev.add_env_info, ev.get_git_commit_hash = saved
 
 
 def evaluate_live(lm: TrainingModelLM, tasks: list[str], limit: int | None = None,
@@ -327,8 +364,10 @@ def evaluate_live(lm: TrainingModelLM, tasks: list[str], limit: int | None = Non
     the others its "results" (the scores)."""
     import lm_eval
 
+    from llmtrain.eval import task_errors
+
     tm = cached_task_manager(list(tasks), include_path)
-    with kept_rng_state():
+    with kept_rng_state(), task_errors(list(tasks)), no_environment_report():
         res = lm_eval.simple_evaluate(
             model=lm, tasks=list(tasks), task_manager=tm, limit=limit, log_samples=False,
             bootstrap_iters=0, verbosity="WARNING",

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from llmtrain.eval import EvalError, _require_lm_eval
+from llmtrain.eval import EvalError
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,16 @@ def evaluate_sharded(
     """Every rank calls it; rank 0 gets the harness's results dict, the others None."""
     from llmtrain.checkpoint import format as fmt
     from llmtrain.config import load_config
-    from llmtrain.eval import task_manager
+    from llmtrain.eval import check_eval_args, check_tokenizer
     from llmtrain.parallel.layout import make_layout
 
-    _require_lm_eval()
-    if max_length is not None and max_length < 2:
-        raise EvalError(f"--max-length {max_length}: give at least 2 tokens")
     path = Path(model)
     if (path / "config.json").is_file() and not (path / "state.json").is_file():
         raise EvalError(f"{path} is a Hugging Face directory: --sharded evaluates one of our "
                         "runs or checkpoints; drop --sharded to evaluate it in one process")  # fmt: skip
-    task_manager(list(tasks), include_path)  # unknown tasks before any process group
     ck = fmt.resolve_checkpoint(path)  # each rank, for the config's backend; rank 0's is used
+    check_tokenizer(ck)
+    check_eval_args(tasks, include_path, limit, max_length)  # before any process group
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(ck / "config.yaml",
                       [*overrides, *_EVAL_ONLY, f"train.global_batch_size={world_env}"])  # fmt: skip

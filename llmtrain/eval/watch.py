@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtrain.checkpoint.format import is_legacy, is_sharded
-from llmtrain.eval import EvalError, _require_lm_eval, flat_metrics, run_eval, task_manager
+from llmtrain.checkpoint.format import CheckpointError, is_legacy, is_sharded
+from llmtrain.eval import EvalError, check_eval_args, flat_metrics, run_eval
+from llmtrain.export import ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def last_saved_step(ck: Path) -> int | None:
-    """The last step the run of checkpoint `ck` will save, from its config: max_steps, or with
-    save_final false the last multiple of save_every (None: unknown)."""
+    """The last step the run of checkpoint (or run directory) `ck` will save, from its
+    config.yaml: max_steps, or with save_final false the last multiple of save_every (None:
+    unknown)."""
     from llmtrain.config import load_config
 
     try:
@@ -146,8 +148,9 @@ def watch(
             f"{run} is a checkpoint or a Hugging Face directory, not a run directory; --watch "
             "takes the --run-dir of `llmtrain train` (it may not exist yet)"
         )
-    _require_lm_eval()  # bad tasks now, not at the first checkpoint hours later
-    task_manager(list(tasks), eval_kwargs.get("include_path"))
+    # bad tasks, --limit, --max-length now, not at the first checkpoint hours later
+    check_eval_args(list(tasks), eval_kwargs.get("include_path"), eval_kwargs.get("limit"),
+                    eval_kwargs.get("max_length"))  # fmt: skip
     results = Path(out) if out else run / RESULTS_FILE
     key = {
         "tasks": sorted(tasks),
@@ -162,6 +165,7 @@ def watch(
     res = WatchResult()
     lock = None
     done: set[tuple[int, str]] = set()
+    skipped: set[int] = set()  # steps deleted or saved again before they could be scored
     last_new = time.monotonic()
     work = _work_dir(run, results)  # this results file's snapshots
     try:
@@ -176,13 +180,15 @@ def watch(
             steps = complete_checkpoints(run)
             final = until_step
             if final is None and steps:
-                final = last_saved_step(steps[-1][1])
-            todo = []
+                # the latest launch's config (a continued run may have raised max_steps), else
+                # the newest checkpoint's
+                final = last_saved_step(run) or last_saved_step(steps[-1][1])
+            todo, current = [], {}
             for s, d in steps:
                 if until_step is not None and s > until_step:
                     continue
                 try:
-                    ident = _identity(d)
+                    current[s] = ident = _identity(d)
                 except OSError:  # deleted since it was listed
                     continue
                 if (s, ident) not in done:
@@ -191,6 +197,7 @@ def watch(
                 row = _score(run, step, ck, ident, key, tasks, eval_kwargs, work)
                 done.add((step, ident))
                 if row is None:
+                    skipped.add(step)
                     continue
                 _append(results, row)
                 tb.add({k: v for k, v in row.items() if k.startswith("eval/")}, step)
@@ -198,7 +205,12 @@ def watch(
                 if on_result is not None:
                     on_result(row)
                 last_new = time.monotonic()
-            if final is not None and any(s >= final for s, _ in done):
+            # finished: the last step's checkpoint as it is now was scored (rows of another
+            # trajectory, before a rollback or a raised max_steps, do not count), or was skipped
+            if final is not None and (
+                any(s >= final and (s, i) in done for s, i in current.items())
+                or any(s >= final and s not in current for s in skipped)  # deleted unscored
+            ):
                 res.finished = True
                 return res
             if todo:
@@ -225,8 +237,12 @@ def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kw
            work: Path):  # fmt: skip
     """One checkpoint's row, evaluated on a hard-linked snapshot in `work` (None: it was deleted
     or saved again first)."""
-    work.mkdir(parents=True, exist_ok=True)
-    snap = _snapshot(ck, work)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        snap = _snapshot(ck, work)
+    except OSError as e:  # a run directory this watcher may read but not write
+        logger.warning("cannot make %s (%s): evaluating %s in place", work, e.strerror, ck.name)
+        snap = ck
     try:
         if snap is not None and (snap / "state.json").is_file() and _identity(snap) == ident:
             t0 = time.monotonic()
@@ -234,8 +250,9 @@ def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kw
                 res = run_eval(snap, tasks, **eval_kwargs)
                 return {"step": step, "checkpoint": ck.name, "checkpoint_id": ident, **key,
                         "seconds": round(time.monotonic() - t0, 1), **flat_metrics(res)}  # fmt: skip
-            except Exception:
-                # files deleted before they were linked (or, in place, during the evaluation)
+            except (OSError, CheckpointError, ExportError):
+                # files deleted before they were linked (or, in place, during the evaluation);
+                # any other failure (a task, the device, memory) is the evaluation's own: raised
                 if not _gone_or_changed(ck, ident):
                     raise
         logger.warning("step %d was deleted or saved again before it could be evaluated "

@@ -201,6 +201,9 @@ def write_tokenizer(tok_file: Path | None, out: Path) -> dict:
     if cfg_file.is_file():  # transformers 5 names its own backend class, which 4.x lacks
         tok_cfg = json.loads(cfg_file.read_text())
         tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        # decode as `tokenizers` does (and the evaluation harness scored): transformers before
+        # 4.45 defaulted to cleaning spaces (" ." -> "."), changing generated text
+        tok_cfg["clean_up_tokenization_spaces"] = False
         cfg_file.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
     return {
         "eos_token_id": tok.eos_token_id,

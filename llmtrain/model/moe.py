@@ -350,8 +350,11 @@ class MoE(nn.Module):
         Pass `load_E` already summed over data-parallel ranks so every rank applies the same step.
         """
         load = self.load_since_update if load_E is None else load_E
-        load = load.to(device=self.load_since_update.device, dtype=torch.float32)
+        # float64: a global load passes 2**24 at DeepSeek-V3's batch, where fp32 sums would depend
+        # on the reduction order; up to 2**53 every rank computes the same sign exactly
+        load = load.to(device=self.load_since_update.device, dtype=torch.float64)
         gamma = self.cfg.bias_update_speed
         if gamma > 0 and load.sum() > 0:
-            self.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
+            bias = self.gate.e_score_correction_bias
+            bias.add_((gamma * torch.sign(load.mean() - load)).to(bias.dtype))
         self.load_since_update.zero_()

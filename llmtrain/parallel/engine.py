@@ -51,8 +51,11 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
     import deepspeed
 
     if "WORLD_SIZE" not in os.environ:  # a plain `llmtrain train`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        own = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            own["MASTER_PORT"] = str(_free_port())
+        os.environ.update(own)
+        _OWN_ENV.update(own)  # taken back by shutdown_distributed
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
@@ -99,12 +102,22 @@ def release_shm_names() -> None:
         pass
 
 
+# the launcher variables init_distributed set itself for a group of one
+_OWN_ENV: dict[str, str] = {}
+
+
 def shutdown_distributed() -> None:
     """Leave the process group and forget DeepSpeed's cached groups, so a later run in the same
     process (the Python API, a notebook) starts clean: DeepSpeed keeps clones of the world,
-    data-parallel and expert groups in module globals, and a new engine would use the dead ones."""
+    data-parallel and expert groups in module globals, and a new engine would use the dead ones.
+    The variables of a group of one go too: a child process (a later `llmtrain train`) would
+    take them for a launcher's and reuse a port this process's store may still hold."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    for k, v in _OWN_ENV.items():
+        if os.environ.get(k) == v:
+            del os.environ[k]
+    _OWN_ENV.clear()
     try:
         from deepspeed.utils import groups
     except ImportError:  # pragma: no cover - deepspeed is a training dependency

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from llmtrain.model.moe import gather_rows
 from llmtrain.parallel import comm
 
 
@@ -58,6 +59,11 @@ class ExpertParallelDispatcher:
             output_size=sum(recv),  # known on the host: no hidden sync
         )
         order_R = torch.argsort(local_R, stable=True)
-        y_RD = experts(x_RD[order_R], recv_PEl.sum(0))
-        y_back = torch.empty_like(y_RD).index_copy(0, order_R, y_RD)
+        # both reorders through the permutation and its inverse: gathers forward and backward
+        # (x[order]'s backward would sort and scatter, as moe.gather_rows explains)
+        inv_R = torch.empty_like(order_R).scatter_(
+            0, order_R, torch.arange(order_R.numel(), device=order_R.device)
+        )
+        y_RD = experts(gather_rows(x_RD, order_R, inv_R, 1), recv_PEl.sum(0))
+        y_back = gather_rows(y_RD, inv_R, order_R, 1)
         return _AllToAll.apply(y_back, send, recv, self.group)

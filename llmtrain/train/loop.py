@@ -220,6 +220,11 @@ def _train(
         except ValueError as e:
             logger.warning("this model trains, but stock transformers cannot load it, so "
                            "`llmtrain export` will refuse it: %s", e)  # fmt: skip
+        m = cfg.model
+        if m.n_routed_experts > 1 and m.bias_update_speed == 0 and m.aux_loss_alpha == 0:
+            logger.warning("no load balancing: model.bias_update_speed and model.aux_loss_alpha "
+                           "are both 0, so nothing keeps the routed experts evenly loaded; set "
+                           "model.bias_update_speed (sigmoid gating) or model.aux_loss_alpha")  # fmt: skip
     run = _load_data(cfg, run_dir, layout, rank, world, local_rank, device)
     run.checkpointer = Checkpointer(run_dir, None, rank, t.keep_last)
     ck_dir = run.checkpointer.resolve(resume)
@@ -237,6 +242,7 @@ def _train(
 
     peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
     metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world)
+    metrics.ep_size = layout.ep_size
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)
@@ -476,7 +482,8 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     gnorm = engine.grad_norm()
     bad = not health.step_ok(float(stats[0]), gnorm)  # also DeepSpeed's -1 / None norms
     # aux-loss-free balancing on the global expert load: every rank applies the same update
-    loads = model.expert_loads().to(device).float()
+    # float64: exact counts to 2**53 (a DeepSeek-V3 batch's per-layer sums pass fp32's 2**24)
+    loads = model.expert_loads().to(device).double()
     if loads.numel():
         comm.all_reduce(loads)
         step_loads = loads.clone()

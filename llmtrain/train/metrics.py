@@ -76,16 +76,22 @@ def memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def expert_stats(model, loads_LE: torch.Tensor | None = None) -> dict:
+def expert_stats(model, loads_LE: torch.Tensor | None = None, ep_size: int = 1) -> dict:
     """Per MoE layer: max/mean load and the bias range; MaxVio over layers. `loads_LE` is the
-    step's global token count per expert (summed over ranks); else the last local forward."""
+    step's global token count per expert (summed over ranks); else the last local forward.
+    With expert parallelism, `moe/ep_rank_max_over_mean`: the busiest expert-parallel rank's
+    routed rows (its experts' loads) over the mean rank's. Dispatch is dropless, so a routing
+    collapse shows here (memory grows with it) before that rank runs out of memory."""
     out = {}
-    vios, ratios = [], []
+    vios, ratios, ranks = [], [], []
     for i, m in enumerate(model.moe_layers()):
-        c = (loads_LE[i] if loads_LE is not None else m.last_counts).float().cpu()
+        c = (loads_LE[i] if loads_LE is not None else m.last_counts).double().cpu()
         mean = c.mean().clamp(min=1e-9)
         ratios.append(float(c.max() / mean))
         vios.append(float((c.max() - mean) / mean))
+        if ep_size > 1:  # rank r holds experts r·E/ep … (r+1)·E/ep − 1
+            rows = c.view(ep_size, -1).sum(1)
+            ranks.append(float(rows.max() / rows.mean().clamp(min=1e-9)))
         b = m.gate.e_score_correction_bias
         out[f"moe/layer{i}/max_over_mean"] = ratios[-1]
         out[f"moe/layer{i}/bias_range"] = float(b.max() - b.min())
@@ -93,6 +99,8 @@ def expert_stats(model, loads_LE: torch.Tensor | None = None) -> dict:
         out["moe/maxvio_mean"] = sum(vios) / len(vios)
         out["moe/maxvio_max"] = max(vios)
         out["moe/max_over_mean"] = max(ratios)
+    if ranks:
+        out["moe/ep_rank_max_over_mean"] = max(ranks)
     return out
 
 
@@ -108,6 +116,7 @@ class MetricsLogger:
         world: int,
     ):
         self.rank, self.flops_per_token, self.peak, self.world = rank, flops_per_token, peak, world
+        self.ep_size = 1  # the trainer sets its layout's (for moe/ep_rank_max_over_mean)
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.bar = None
@@ -153,7 +162,7 @@ class MetricsLogger:
         record["tflops_per_device"] = tok_s * self.flops_per_token / self.world / 1e12
         record["mfu"] = tok_s * self.flops_per_token / self.world / self.peak
         record["memory_gib"] = memory_bytes(next(model.parameters()).device) / 2**30
-        record.update(expert_stats(model, loads_LE))
+        record.update(expert_stats(model, loads_LE, self.ep_size))
         if self.rank != 0:
             return
         self.file.write(json.dumps(record) + "\n")
