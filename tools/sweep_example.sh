@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# End to end on CPU at tiny scale: plan an IsoFLOP sweep of the debug family (3 budgets x 5
-# sizes), train every run, collect final losses, fit Approaches 2 and 3, and plot.
+# End to end on CPU at tiny scale: plan an IsoFLOP sweep of the debug family (3 budgets, up to 5
+# sizes each: 12 runs, enough for Approach 3), train every run, collect final losses, fit, plot.
 #   tools/sweep_example.sh [OUT_DIR]        (default runs/sweep_example; finished runs are kept)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
