@@ -31,12 +31,9 @@ def _load_model_config(path: str, overrides: list[str]) -> tuple[ModelConfig, An
                 f"overrides ({' '.join(overrides)}) apply to YAML configs, not to a Hugging Face "
                 "config.json; edit a copy of the JSON, or convert it to YAML first"
             )
-        hf_cfg = read_hf_config(p)
-        model_cfg = model_config_from_hf(hf_cfg)
         # a release's MTP layers (DeepSeek-V3: 1) are counted as the YAML twin counts them: the
         # "MTP parameters (extra)" row, their training FLOPs and their memory
-        model_cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
-        return model_cfg, None
+        return model_config_from_hf(read_hf_config(p), mtp=True), None
     cfg = load_config(p, overrides)
     return cfg.model, cfg
 
@@ -235,21 +232,47 @@ def _check_device(device: str) -> None:
                              "this torch build; use --device cpu")  # fmt: skip
 
 
+def _show_watch_row(r: dict, as_json: bool) -> None:
+    metrics = {k: v for k, v in r.items() if k.startswith("eval/")}
+    if as_json:
+        print(json.dumps({"step": r["step"], **metrics}), flush=True)
+        return
+    print(f"step {r['step']}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}"
+                                            for k, v in metrics.items()), flush=True)  # fmt: skip
+
+
+def _watch_rc(res, idle_timeout: float | None) -> int:
+    """0 once the run's last step is scored; 1 after --idle-timeout (None: not rank 0)."""
+    if res is not None and not res.finished:
+        print(f"stopped: no new checkpoint for {idle_timeout:.0f} s before the run's last step",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from llmtrain.errors import UsageError
     from llmtrain.eval import format_results, run_eval
 
+    if any("=" in t for t in args.tasks):  # `--tasks a b x.y=z`: the overrides came after
+        args.overrides = [*args.overrides, *(t for t in args.tasks if "=" in t)]
+        args.tasks = [t for t in args.tasks if "=" not in t]
     sharded = args.sharded or int(os.environ.get("WORLD_SIZE", "1")) > 1  # under a launcher
     if sharded:
-        if args.watch:
-            raise UsageError("--watch evaluates through the export in one process; under the "
-                             "deepspeed launcher (--sharded) evaluate one checkpoint at a time, "
-                             "RUN/checkpoints/step_N")  # fmt: skip
         if args.device is not None or args.dtype is not None:
             raise UsageError("--sharded computes on each rank's own device in the run's "
                              "train.dtype: drop --device/--dtype (a train.dtype=... override "
                              "changes the dtype)")  # fmt: skip
-        from llmtrain.eval.sharded import evaluate_sharded
+        from llmtrain.eval.sharded import evaluate_sharded, watch_sharded
+
+        if args.watch:
+            res = watch_sharded(args.model, args.tasks, args.overrides,
+                                include_path=args.include_path, limit=args.limit,
+                                batch_size=args.batch_size, max_length=args.max_length,
+                                watch_kwargs=dict(poll=args.poll, until_step=args.until_step,
+                                                  timeout=args.idle_timeout, out=args.out,
+                                                  on_result=lambda r: _show_watch_row(r, args.json)))  # fmt: skip
+            return _watch_rc(res, args.idle_timeout)
 
         res = evaluate_sharded(args.model, args.tasks, args.overrides,
                                include_path=args.include_path, limit=args.limit,
@@ -268,23 +291,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.watch:
         from llmtrain.eval.watch import watch
 
-        def show(r: dict) -> None:
-            metrics = {k: v for k, v in r.items() if k.startswith("eval/")}
-            if args.json:
-                print(json.dumps({"step": r["step"], **metrics}), flush=True)
-                return
-            print(f"step {r['step']}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}"
-                                                    for k, v in metrics.items()), flush=True)  # fmt: skip
-
         res = watch(args.model, args.tasks, poll=args.poll, until_step=args.until_step,
-                    timeout=args.idle_timeout, out=args.out, on_result=show,
+                    timeout=args.idle_timeout, out=args.out,
+                    on_result=lambda r: _show_watch_row(r, args.json),
                     include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
                     device=args.device, dtype=args.dtype, max_length=args.max_length)  # fmt: skip
-        if not res.finished:
-            print(f"stopped: no new checkpoint for {args.idle_timeout:.0f} s before the run's "
-                  "last step", file=sys.stderr)  # fmt: skip
-            return 1
-        return 0
+        return _watch_rc(res, args.idle_timeout)
     res = run_eval(args.model, args.tasks, include_path=args.include_path, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                    max_length=args.max_length)  # fmt: skip

@@ -115,8 +115,9 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return hf
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Map a DeepseekV3/V2 `config.json` dict onto ModelConfig (V2: softmax gating, interleaved).
+def model_config_from_hf(hf: dict[str, Any], mtp: bool = False) -> ModelConfig:
+    """Map a DeepseekV3/V2 `config.json` dict onto ModelConfig (V2: softmax gating, interleaved);
+    `mtp`: with the release's MTP layers (num_nextn_predict_layers), which transformers skips.
 
     Anything else (another architecture, missing or mistyped fields) is a ConfigError that says
     which fields and that only DeepSeek MLA + MoE configs are read."""
@@ -143,14 +144,14 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             + "; these must be whole numbers"
         )
     try:
-        return _model_config_from_hf(hf, mtype or "deepseek_v3")
+        return _model_config_from_hf(hf, mtype or "deepseek_v3", mtp)
     except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"the Hugging Face config has an unusable value: {e!r}") from e
 
 
-def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
+def _model_config_from_hf(hf: dict[str, Any], mtype: str, mtp: bool) -> ModelConfig:
     v2 = mtype == "deepseek_v2"
     hf = {**HF_DEFAULTS[mtype], **hf}
     if hf["hidden_act"] not in ("silu", "swish"):
@@ -210,6 +211,8 @@ def _model_config_from_hf(hf: dict[str, Any], mtype: str) -> ModelConfig:
         raise ConfigError(
             "attention_bias=true is not supported (DeepSeek models have none); set it to false"
         )
+    if mtp:
+        cfg.mtp_depth = int(hf.get("num_nextn_predict_layers") or 0)
     cfg.validate()
     return cfg
 
@@ -605,14 +608,11 @@ def from_pretrained(
         raise MissingFileError(
             f"{path} is not a directory; give a Hugging Face model directory or one of our runs"
         )
-    hf_cfg = read_hf_config(path)
-    cfg = model_config_from_hf(hf_cfg)
+    cfg = model_config_from_hf(read_hf_config(path), mtp=mtp)
     if not any(path.glob("*.safetensors")):  # before building a possibly huge model
         raise MissingFileError(
             f"{path} holds no *.safetensors weights; copy the model's weights there"
         )
-    if mtp:
-        cfg.mtp_depth = int(hf_cfg.get("num_nextn_predict_layers") or 0)
     # allocated once, in `dtype` (routers fp32), and filled one weight at a time from the files
     # (safetensors slices): about 1x the model at peak, not the model plus the files read whole
     model = build_model(cfg, device="meta", dtype=dtype).to_empty(device=device)

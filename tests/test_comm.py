@@ -217,3 +217,18 @@ def test_deepspeed_shm_workspace_is_unlinked_after_init(tmp_path):
         assert r["created"], "DeepSpeed created no shm workspace: the test checks nothing"
         assert not r["left"]
         assert r["sum"] == [3.0] * 8
+
+
+def test_a_group_of_one_gives_back_the_variables_it_set(monkeypatch):
+    """`llmtrain train` / `eval --sharded` in a Python process: the launcher variables made for
+    a group of one go at shutdown, and a user's own (MASTER_ADDR here) come back as they were."""
+    from llmtrain.parallel.engine import init_distributed, shutdown_distributed
+
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert init_distributed("gloo") == (0, 1, 0)
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["WORLD_SIZE"] == "1"
+    shutdown_distributed()
+    assert os.environ["MASTER_ADDR"] == "10.1.2.3"
+    assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"} & set(os.environ)

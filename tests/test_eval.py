@@ -123,7 +123,9 @@ def test_training_logs_periodic_evals(tmp_path, capsys, monkeypatch):
     # --sharded: the checkpoint in the run's own engine, no export, the same scores, and only
     # the weight pieces read (no Adam moments, no RNG)
     import llmtrain.checkpoint.format as fmt
+    from llmtrain.parallel.engine import Engine
 
+    monkeypatch.setattr(Engine, "prepare_optimizer_state", lambda *a, **k: pytest.fail("Adam"))
     read, load_pieces = [], fmt.load_pieces
     monkeypatch.setattr(fmt, "load_pieces", lambda ck, pieces, blobs=(), **kw: (
         read.extend([p.key for p in pieces] + list(blobs)), load_pieces(ck, pieces, blobs, **kw))[1])  # fmt: skip
@@ -134,6 +136,14 @@ def test_training_logs_periodic_evals(tmp_path, capsys, monkeypatch):
     # the group of one it made is gone with its variables (a later `llmtrain train` child
     # would take them for a launcher's, and a port this process may still hold)
     assert not {"WORLD_SIZE", "MASTER_PORT", "RANK"} & set(os.environ)
+    # --watch --sharded: the run's one checkpoint (step 4, its last), then done
+    watch_args = ["eval", str(tmp_path / "run"), "--watch", "--sharded", "--tasks", "llmtrain_ppl",
+                  "llmtrain_mc", "--limit", "4", "--max-length", str(seq_len), "--poll", "0.1",
+                  "--idle-timeout", "120", "--json", "--out", str(tmp_path / "w.jsonl")]  # fmt: skip
+    assert main(watch_args) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["step"] == 4 and row.keys() - {"step"} == offline.keys()
+    assert all(row[k] == pytest.approx(v, rel=1e-5) for k, v in offline.items())
     assert sharded.keys() == offline.keys()
     for k, v in offline.items():
         assert sharded[k] == pytest.approx(v, rel=1e-5), k
@@ -186,6 +196,17 @@ def test_periodic_evals_on_sharded_ranks_match_one_rank_and_change_nothing(tmp_p
     assert scores.keys() == {k for k in two[-1] if k.startswith("eval/")}
     for k, v in scores.items():
         assert v == pytest.approx(two[-1][k], rel=1e-5), k
+    # --watch, sharded over the 2 ranks: rank 0 watches and directs, both score; one row
+    out = tmp_path / "watch.jsonl"
+    i = cmd.index("--json")
+    cmd[i:i] = ["--watch", "--poll", "0.2", "--idle-timeout", "120", "--out", str(out)]
+    cmd[cmd.index("--master_port") + 1] = str(free_port())
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["step"] == 4 and row["dtype"] == "sharded"
+    assert all(row[k] == pytest.approx(v, rel=1e-5) for k, v in scores.items())
+    assert p.stdout.count('"step": 4') == 1  # shown once, by rank 0
 
 
 def _instances(kind: str, args: list[tuple]) -> list:
@@ -351,6 +372,15 @@ def test_periodic_generation_task_checked_before_training(tmp_path, gen, needle)
     check_tasks(["llmtrain_gen"], 64)  # the shipped task fits
     with pytest.raises(EvalError, match=f"task my_gen: .*{needle}"):
         check_tasks(["my_gen"], 64, [str(mine)])
+    # the export path (transformers' own generate) takes it; --sharded decodes as training does
+    from llmtrain.eval import check_eval_args
+
+    check_eval_args(["my_gen"], [str(mine)], max_length=64)
+    with pytest.raises(EvalError, match=f"task my_gen: .*{needle}"):
+        check_eval_args(["my_gen"], [str(mine)], max_length=64, greedy=True)
+    if "do_sample" in gen:  # refused under --sharded whatever the context length
+        with pytest.raises(EvalError, match="no --sharded"):
+            check_eval_args(["my_gen"], [str(mine)], greedy=True)
 
 
 def test_watch_evaluates_each_checkpoint_as_it_lands_as_training_did(tmp_path, capsys):
@@ -423,7 +453,7 @@ def test_watch_against_the_trainers_saves_and_deletes(tmp_path, monkeypatch, cap
     import llmtrain.eval.watch as w
 
     run = _fake_run(tmp_path, ["step_00000002", "step_00000004", "step_00000006",
-                               "step_00000008.tmp"], max_steps=6)  # fmt: skip
+                               "step_00000008.tmp"], max_steps=6, save_every=2)  # fmt: skip
     ckdir = run / "checkpoints"
     seen = []
 
@@ -490,7 +520,8 @@ def test_a_restarted_watch_follows_the_runs_present_trajectory(tmp_path, monkeyp
 
     import llmtrain.eval.watch as w
 
-    run = _fake_run(tmp_path, ["step_00000002", "step_00000004", "step_00000006"], max_steps=6)
+    run = _fake_run(tmp_path, ["step_00000002", "step_00000004", "step_00000006"], max_steps=6,
+                    save_every=2)  # fmt: skip
     ckdir = run / "checkpoints"
     monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: {"results": {"t": {"a": 1.0}}})
     monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
@@ -552,16 +583,36 @@ def test_eval_checks_what_needs_no_weights_before_the_export(checkpoint, tmp_pat
         run_eval(fresh, ["llmtrain_mc"])
 
 
+def test_a_broken_task_file_does_not_hide_the_harness_tasks(tmp_path):
+    from llmtrain.eval import task_manager
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text("task: mine\ndataset_path: [json\n")
+    assert "arc_easy" in task_manager(["arc_easy"], [str(bad)]).all_tasks
+    with pytest.raises(EvalError, match="broken.yaml"):
+        task_manager(["mine"], [str(bad)])
+
+
 def test_watch_stops_at_the_last_step_the_run_saves(tmp_path, monkeypatch):
     """save_final: false saves the last multiple of save_every, not max_steps: the watcher stops
-    there; a run that never gets there times out, unfinished."""
+    there, and so with an --until-step past it or between saves; one before the first save has
+    nothing to do; a run that never gets to its last save times out, unfinished."""
     import llmtrain.eval.watch as w
 
     run = _fake_run(tmp_path, ["step_00000003"], max_steps=4, save_every=3, save_final=False)
     monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: {"results": {"t": {"a": 1.0}}})
     monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
-    assert w.last_saved_step(run / "checkpoints" / "step_00000003") == 3
+    ck = run / "checkpoints" / "step_00000003"
+    assert w.last_saved_step(ck) == 3
+    assert [w.last_saved_step(ck, u) for u in (2, 3, 4, 9)] == [0, 3, 3, 3]
     res = w.watch(run, ["t"], poll=0.01, timeout=5)
     assert res.finished and [r["step"] for r in res.rows] == [3]
-    res = w.watch(run, ["t"], poll=0.01, timeout=0.1, until_step=9)
-    assert not res.finished and res.rows == []
+    for until in (9, 2):
+        res = w.watch(run, ["t"], poll=0.01, timeout=5, until_step=until)
+        assert res.finished and res.rows == [], until
+    later = _fake_run(tmp_path / "later", ["step_00000003"], max_steps=7, save_every=3)
+    res = w.watch(later, ["t"], poll=0.01, timeout=0.1, until_step=5)
+    assert res.finished and [r["step"] for r in res.rows] == [3]  # 5 lies between saves
+    res = w.watch(later, ["t"], poll=0.01, timeout=0.1)
+    assert not res.finished and res.rows == []  # step 7 is not saved yet

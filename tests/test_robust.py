@@ -322,12 +322,15 @@ def test_a_really_full_disk_is_reported_and_cleaned_up(cache, small_disk, mode):
 def test_a_killed_rank_is_reported_as_a_lost_rank_not_a_bug(cache, tmp_path):
     run = tmp_path / "run"
     over = base(cache, "train.max_steps=12", "train.save_every=3", "parallel.ep_size=2")
-    p = run_train(run, 2, over, check=False, LLMTRAIN_FAULT_KILL_RANK="1@7")  # 6 steps done
+    # dies as step 6 starts: 5 steps done, so the last save is step 3 (numbered from 0, the
+    # hook would have let step 6 finish and save)
+    p = run_train(run, 2, over, check=False, LLMTRAIN_FAULT_KILL_RANK="1@6")
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert "lost contact with another rank" in out, out[-3000:]
     assert "this is a bug" not in out
-    assert (run / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
+    assert max(r["step"] for r in metrics(run)) == 5
 
 
 # ---------------------------------------------------------------- stale JIT build lock

@@ -98,7 +98,7 @@ def test_four_ranks_ep2_match_one_process(reference, cache, tmp_path):
     ref, got = metrics(reference), metrics(run)
     _matches_one_process(ref, got)
     assert "moe/ep_rank_max_over_mean" not in ref[0]
-    assert all(1 <= r["moe/ep_rank_max_over_mean"] <= 2 for r in got)  # 2 EP ranks
+    assert all(1 < r["moe/ep_rank_max_over_mean"] <= 2 for r in got)  # 2 EP ranks, never even
 
 
 def test_resume_with_another_global_batch_continues_the_sample_stream(reference, cache, tmp_path):

@@ -53,14 +53,12 @@ def task_manager(tasks: list[str], include_path: list[str] | None = None):
         paths.append(str(p))
     tm = TaskManager(include_path=paths, include_defaults=False)
     if any(t not in tm.all_tasks for t in tasks):
-        broken = _unreadable_task_files(include_path or [])
-        if broken:  # a task in a file that does not parse is "unknown": say which file and why
-            raise EvalError(
-                f"task(s) {', '.join(t for t in tasks if t not in tm.all_tasks)} not found, and "
-                f"these task files do not parse: {'; '.join(broken[:3])}"
-            )
         tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
+    broken = _unreadable_task_files(include_path or []) if unknown else []
+    if broken:  # a task in a file that does not parse is "unknown": say which file and why
+        raise EvalError(f"task(s) {', '.join(unknown)} not found, and these task files do not "
+                        f"parse: {'; '.join(broken[:3])}")  # fmt: skip
     if unknown:
         raise EvalError(
             f"unknown task(s) {', '.join(unknown)}; the shipped offline tasks are llmtrain_ppl, "
@@ -111,9 +109,11 @@ def check_eval_args(
     include_path: list[str] | None = None,
     limit: int | None = None,
     max_length: int | None = None,
+    greedy: bool = False,
 ) -> None:
     """What needs no weights, checked before any export or checkpoint is read: the harness, the
-    tasks (their files, data and first documents), --limit and --max-length."""
+    tasks (their files, data and first documents; with `greedy`, what our greedy decoding
+    can run), --limit and --max-length."""
     _require_lm_eval()
     if limit is not None and limit < 1:
         raise EvalError(f"--limit {limit}: give at least 1 document per task, or leave it out "
@@ -122,7 +122,7 @@ def check_eval_args(
         raise EvalError(f"--max-length {max_length}: give at least 2 tokens")
     from llmtrain.eval.live import check_tasks
 
-    check_tasks(list(tasks), max_length, include_path)
+    check_tasks(list(tasks), max_length, include_path, greedy=greedy)
 
 
 def check_tokenizer(path: Path) -> None:
@@ -131,9 +131,10 @@ def check_tokenizer(path: Path) -> None:
     from llmtrain.checkpoint.format import resolve_checkpoint
 
     if is_hf_dir(path):
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-            raise EvalError(f"{path} has no tokenizer (tokenizer.json); copy the model's "
-                            "tokenizer files into it")  # fmt: skip
+        files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+        if not any((path / f).is_file() for f in files):
+            raise EvalError(f"{path} has no tokenizer (none of {', '.join(files)}); copy the "
+                            "model's tokenizer files into it")  # fmt: skip
         return
     ck = resolve_checkpoint(path)
     if not (ck / "tokenizer.json").is_file():

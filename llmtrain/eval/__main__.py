@@ -8,7 +8,7 @@ import sys
 from llmtrain.cli import main
 
 if __name__ == "__main__":
-    rc = main(["eval", *sys.argv[1:]])
+    rc = main(["eval", "--sharded", *sys.argv[1:]])
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -60,9 +60,9 @@ def generation_args(gen_kwargs: dict | None, max_length: int, eos_text: str) -> 
     kw = normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_MAX_GEN_TOKS)
     if kw.get("do_sample"):
         raise EvalError(
-            "periodic evaluation decodes greedily, but a task samples (do_sample: true or "
-            "temperature > 0); set do_sample: false in its generation_kwargs, or evaluate it "
-            "with llmtrain eval"
+            "evaluation on the training model (periodic, --sharded) decodes greedily, but a task "
+            "samples (do_sample: true or temperature > 0); set do_sample: false in its "
+            "generation_kwargs, or evaluate it through the export (llmtrain eval, no --sharded)"
         )
     max_gen = int(kw["max_gen_toks"])
     if max_gen >= max_length:
@@ -308,11 +308,15 @@ def cached_task_manager(tasks: list[str], include_path: list[str] | None = None)
 
 
 def check_tasks(
-    tasks: list[str], max_length: int | None, include_path: list[str] | None = None
+    tasks: list[str],
+    max_length: int | None,
+    include_path: list[str] | None = None,
+    greedy: bool = True,
 ) -> None:
-    """Load the tasks (their data included), render each one's first document, and check what
-    generation can run within `max_length` (None: not checked): before training or an export,
-    so that a bad task fails at once rather than at the first evaluation."""
+    """Load the tasks (their data included), render each one's first document, and, for our
+    greedy decoding (`greedy`: periodic and sharded evaluation), check that generation tasks do
+    not sample and fit in `max_length` (None: any length): before training or an evaluation, so
+    that a bad task fails at once rather than at the first evaluation."""
     from llmtrain.eval import task_errors
 
     tm = cached_task_manager(list(tasks), include_path)
@@ -323,9 +327,9 @@ def check_tasks(
                 continue
             with task_errors([name]):
                 _render_first(task)
-            if task.config.output_type == "generate_until" and max_length is not None:
+            if task.config.output_type == "generate_until" and greedy:
                 try:
-                    generation_args(task.config.generation_kwargs, max_length, "")
+                    generation_args(task.config.generation_kwargs, max_length or 2**62, "")
                 except EvalError as e:
                     raise EvalError(f"task {name}: {e}") from None
 

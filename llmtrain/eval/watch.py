@@ -66,19 +66,20 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def last_saved_step(ck: Path) -> int | None:
+def last_saved_step(ck: Path, until: int | None = None) -> int | None:
     """The last step the run of checkpoint (or run directory) `ck` will save, from its
-    config.yaml: max_steps, or with save_final false the last multiple of save_every (None:
-    unknown)."""
+    config.yaml: max_steps, or with save_final false the last multiple of save_every; with
+    `until`, the last it will save up to that step (0: none). None: unknown."""
     from llmtrain.config import load_config
 
     try:
         t = load_config(ck / "config.yaml").train
     except Exception:  # a config this version cannot read: rely on until_step / timeout
         return None
-    if t.save_final:
-        return t.max_steps
-    return t.max_steps - t.max_steps % t.save_every or None
+    end = t.max_steps if until is None else min(until, t.max_steps)
+    if t.save_final and end == t.max_steps:
+        return end
+    return end - end % t.save_every
 
 
 def _identity(ck: Path) -> str:
@@ -137,11 +138,14 @@ def watch(
     timeout: float | None = None,
     out: str | Path | None = None,
     on_result: Callable[[dict], None] | None = None,
+    evaluate: Callable[[Path], dict] | None = None,
+    between_looks: Callable[[], None] | None = None,
     **eval_kwargs: Any,
 ) -> WatchResult:
     """Score each new complete checkpoint of `run_dir` until the run's last saved step is done
     (module docstring); each appended row is also passed to `on_result` as it lands.
-    `eval_kwargs` go to run_eval."""
+    `eval_kwargs` go to run_eval, or name the scores' settings when `evaluate(checkpoint)`
+    scores instead (the sharded watcher's ranks); `between_looks()` runs before each wait."""
     run = Path(run_dir)
     if (run / "state.json").is_file() or (run / "config.json").is_file():
         raise EvalError(
@@ -178,11 +182,16 @@ def watch(
                 done = {(r["step"], r.get("checkpoint_id", "")) for r in _read_rows(results)
                         if {k: r.get(k) for k in key} == key}  # fmt: skip
             steps = complete_checkpoints(run)
-            final = until_step
+            # the last step the run saves (up to until_step), from the latest launch's config (a
+            # continued run may have raised max_steps), else the newest checkpoint's
+            final = last_saved_step(run, until_step)
             if final is None and steps:
-                # the latest launch's config (a continued run may have raised max_steps), else
-                # the newest checkpoint's
-                final = last_saved_step(run) or last_saved_step(steps[-1][1])
+                final = last_saved_step(steps[-1][1], until_step)
+            if final is None:
+                final = until_step  # no readable config: until_step itself
+            if final == 0:  # the run saves nothing up to until_step
+                res.finished = True
+                return res
             todo, current = [], {}
             for s, d in steps:
                 if until_step is not None and s > until_step:
@@ -194,7 +203,8 @@ def watch(
                 if (s, ident) not in done:
                     todo.append((s, d, ident))
             for step, ck, ident in todo:
-                row = _score(run, step, ck, ident, key, tasks, eval_kwargs, work)
+                row = _score(run, step, ck, ident, key, work,
+                             evaluate or (lambda snap: run_eval(snap, tasks, **eval_kwargs)))  # fmt: skip
                 done.add((step, ident))
                 if row is None:
                     skipped.add(step)
@@ -220,6 +230,8 @@ def watch(
                                f" before step {final}" if final is not None else
                                " (the run has not written its config yet)")  # fmt: skip
                 return res
+            if between_looks is not None:
+                between_looks()
             time.sleep(poll)
     finally:
         tb.close()
@@ -233,8 +245,8 @@ def _work_dir(run: Path, results: Path) -> Path:
     return run / ".eval_watch" / tag
 
 
-def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kwargs,
-           work: Path):  # fmt: skip
+def _score(run: Path, step: int, ck: Path, ident: str, key: dict, work: Path,
+           evaluate: Callable[[Path], dict]):  # fmt: skip
     """One checkpoint's row, evaluated on a hard-linked snapshot in `work` (None: it was deleted
     or saved again first)."""
     try:
@@ -247,7 +259,7 @@ def _score(run: Path, step: int, ck: Path, ident: str, key: dict, tasks, eval_kw
         if snap is not None and (snap / "state.json").is_file() and _identity(snap) == ident:
             t0 = time.monotonic()
             try:
-                res = run_eval(snap, tasks, **eval_kwargs)
+                res = evaluate(snap)
                 return {"step": step, "checkpoint": ck.name, "checkpoint_id": ident, **key,
                         "seconds": round(time.monotonic() - t0, 1), **flat_metrics(res)}  # fmt: skip
             except (OSError, CheckpointError, ExportError):
@@ -277,8 +289,12 @@ def _append(results: Path, row: dict) -> None:
 
 
 def _lock(results: Path):
-    results.parent.mkdir(parents=True, exist_ok=True)
-    f = open(results.with_name(results.name + ".lock"), "w")  # noqa: SIM115 (held while watching)
+    try:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        f = open(results.with_name(results.name + ".lock"), "w")  # noqa: SIM115 (held while watching)
+    except OSError as e:
+        raise EvalError(f"cannot write the results next to {results} ({e.strerror}); give "
+                        "--out FILE in a directory this watcher may write") from None  # fmt: skip
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -297,17 +313,27 @@ class _LazyTensorboard:
         self.run, self.writer, self.missing = run, None, False
 
     def add(self, metrics: dict[str, float], step: int) -> None:
-        if self.writer is None and not self.missing:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self.missing = True
-                return
-            self.writer = SummaryWriter(str(self.run / "tensorboard" / "eval_watch"))
-        if self.writer is not None:
-            for k, v in metrics.items():
-                self.writer.add_scalar(k, v, step)
-            self.writer.flush()
+        try:
+            if self.writer is None and not self.missing:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    self.missing = True
+                    return
+                self.writer = SummaryWriter(str(self.run / "tensorboard" / "eval_watch"))
+            if self.writer is not None:
+                for k, v in metrics.items():
+                    self.writer.add_scalar(k, v, step)
+                self.writer.flush()
+        except OSError as e:  # a run directory this watcher may read but not write
+            logger.warning("cannot write TensorBoard events under %s (%s): the results file "
+                           "alone gets the scores", self.run, e.strerror)  # fmt: skip
+            if self.writer is not None:
+                try:
+                    self.writer.close()
+                except OSError:
+                    pass
+            self.writer, self.missing = None, True
 
     def close(self) -> None:
         if self.writer is not None:

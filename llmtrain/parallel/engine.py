@@ -50,12 +50,6 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
     """Join (or, alone, create) the default process group; returns (rank, world, local_rank)."""
     import deepspeed
 
-    if "WORLD_SIZE" not in os.environ:  # a plain `llmtrain train`: a group of one
-        own = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            own["MASTER_PORT"] = str(_free_port())
-        os.environ.update(own)
-        _OWN_ENV.update(own)  # taken back by shutdown_distributed
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
@@ -63,8 +57,18 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
 
         raise ConfigError("parallel.backend=nccl needs CUDA GPUs, and torch sees none here; use "
                           "parallel.backend=auto (gloo on CPU) or gloo")  # fmt: skip
+    if "WORLD_SIZE" not in os.environ:  # a plain `llmtrain train`: a group of one
+        own = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            own["MASTER_PORT"] = str(_free_port())
+        _OWN_ENV.update({k: os.environ.get(k) for k in own})  # shutdown_distributed restores
+        os.environ.update(own)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend)
+        try:
+            deepspeed.init_distributed(dist_backend=backend)
+        except BaseException:
+            _restore_env()
+            raise
         release_shm_names()
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
@@ -102,8 +106,17 @@ def release_shm_names() -> None:
         pass
 
 
-# the launcher variables init_distributed set itself for a group of one
-_OWN_ENV: dict[str, str] = {}
+# the launcher variables init_distributed set for a group of one, with what they were before
+_OWN_ENV: dict[str, str | None] = {}
+
+
+def _restore_env() -> None:
+    for k, v in _OWN_ENV.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _OWN_ENV.clear()
 
 
 def shutdown_distributed() -> None:
@@ -114,10 +127,7 @@ def shutdown_distributed() -> None:
     take them for a launcher's and reuse a port this process's store may still hold."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    for k, v in _OWN_ENV.items():
-        if os.environ.get(k) == v:
-            del os.environ[k]
-    _OWN_ENV.clear()
+    _restore_env()
     try:
         from deepspeed.utils import groups
     except ImportError:  # pragma: no cover - deepspeed is a training dependency
@@ -560,10 +570,14 @@ class Engine:
             return torch.tensor(float(step), dtype=torch.float32, device=p.device)
         return torch.tensor(float(step), dtype=torch.get_default_dtype())
 
-    def local_fragment(self, p: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def local_fragment(
+        self, p: torch.Tensor, moments: bool = True
+    ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(start within the flattened local parameter, {"fp32", "exp_avg", "exp_avg_sq"} views
         of equal length) for what this rank holds of `p`, or None. Call
-        `prepare_optimizer_state` first so the moments exist."""
+        `prepare_optimizer_state` first so the moments exist; `moments=False`: the fp32 view
+        alone (weights-only reads, no Adam state needed)."""
+        keys = ("exp_avg", "exp_avg_sq") if moments else ()
         if self.zero_stage == 3 or hasattr(p, "ds_id"):
             opt = p._z3_optimizer
             numel = p.ds_numel
@@ -573,25 +587,21 @@ class Engine:
             if n == 0:
                 return None
             views = {}
-            for key in (None, "exp_avg", "exp_avg_sq"):
+            for key in (None, *keys):
                 v, _ = opt._get_fp32_opt_state_partition(p, False, optim_state_key=key)
                 views[key or "fp32"] = v.narrow(0, 0, n)
             return start, views
         mapping = getattr(p, "_hp_mapping", "absent")
         if mapping == "absent":  # no ZeRO partitioning: the parameter is its own master
-            st = self._base_optimizer().state[p]
-            return 0, {
-                "fp32": p.data.view(-1),
-                "exp_avg": st["exp_avg"].view(-1),
-                "exp_avg_sq": st["exp_avg_sq"].view(-1),
-            }
+            st = self._base_optimizer().state[p] if keys else {}
+            return 0, {"fp32": p.data.view(-1), **{k: st[k].view(-1) for k in keys}}
         if mapping is None:
             return None
         addr = mapping.lp_fragment_address
         if addr.numel == 0:
             return None
         views = {"fp32": mapping.get_hp_fragment()}
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in keys:
             views[key] = mapping.get_hp_fragment(key)
         return addr.start, views
 

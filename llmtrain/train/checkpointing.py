@@ -120,7 +120,7 @@ class Checkpointer:
         for name, p, full, off in self._params():
             n_full = math.prod(full)
             index[name] = {"shape": list(full), "kind": "param", "moments": True}
-            frag = self.engine.local_fragment(p)
+            frag = self.engine.local_fragment(p, moments)
             if frag is None:
                 continue
             start, views = frag
@@ -244,7 +244,8 @@ class Checkpointer:
         model (after `Engine(...)`); returns the run state. `weights_only`: the weights and router
         biases alone (evaluation): each rank reads the byte ranges of its own weight pieces."""
         state = self.read_state(ck)
-        self.engine.prepare_optimizer_state(int(state.get("optimizer_step", state["step"])))
+        if not weights_only:  # Adam's state is lazy: evaluation never creates it
+            self.engine.prepare_optimizer_state(int(state.get("optimizer_step", state["step"])))
         if fmt.is_sharded(ck):
             self._restore_sharded(ck, not weights_only)
         elif fmt.is_legacy(ck):
@@ -285,7 +286,7 @@ class Checkpointer:
             for name, p, full, off in self._params():
                 if name not in have:
                     raise CheckpointError(f"checkpoint {ck} lacks {name}")
-                frag = self.engine.local_fragment(p)
+                frag = self.engine.local_fragment(p, moments)
                 if frag is None:
                     continue
                 start, views = frag

@@ -168,8 +168,8 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     if resume not in ("never", "auto") and not Path(resume).is_dir():
         raise TrainingError(f"resume={resume!r}: use auto, never, or a checkpoint directory")
     rank, world, local_rank = init_distributed(cfg.parallel.backend)
-    device = device_for(local_rank)
     try:
+        device = device_for(local_rank)
         _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite, rank)
         comm.barrier()
         with StopOnSignal() as stop:

@@ -79,9 +79,11 @@ def memory_bytes(device) -> int:
 def expert_stats(model, loads_LE: torch.Tensor | None = None, ep_size: int = 1) -> dict:
     """Per MoE layer: max/mean load and the bias range; MaxVio over layers. `loads_LE` is the
     step's global token count per expert (summed over ranks); else the last local forward.
-    With expert parallelism, `moe/ep_rank_max_over_mean`: the busiest expert-parallel rank's
-    routed rows (its experts' loads) over the mean rank's. Dispatch is dropless, so a routing
-    collapse shows here (memory grows with it) before that rank runs out of memory."""
+    With expert parallelism, `moe/ep_rank_max_over_mean`: the routed rows of the busiest
+    position in the expert-parallel group (its experts' loads) over the mean position's. Dispatch
+    is dropless, so a routing collapse shows here (memory grows with it) before that rank runs
+    out of memory. The loads are summed over the expert-data-parallel replicas: with world >
+    ep_size it is their average, and one replica's hot rank shows diluted."""
     out = {}
     vios, ratios, ranks = [], [], []
     for i, m in enumerate(model.moe_layers()):
