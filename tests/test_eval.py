@@ -583,6 +583,27 @@ def test_eval_checks_what_needs_no_weights_before_the_export(checkpoint, tmp_pat
         run_eval(fresh, ["llmtrain_mc"])
 
 
+def test_watch_of_a_run_directory_it_cannot_write(tmp_path, monkeypatch, caplog):
+    """--out elsewhere: no snapshot folder and no TensorBoard events can be made in the run
+    directory (files stand where their folders would go), so it reads in place and says so."""
+    import llmtrain.eval.watch as w
+
+    run = _fake_run(tmp_path, ["step_00000002"], max_steps=2, save_every=2)
+    (run / ".eval_watch").write_text("")
+    (run / "tensorboard").write_text("")
+    seen = []
+    monkeypatch.setattr(w, "run_eval", lambda ck, tasks, **kw: seen.append(ck) or
+                        {"results": {"t": {"a": 1.0}}})  # fmt: skip
+    monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
+    with caplog.at_level("WARNING"):
+        res = w.watch(run, ["t"], poll=0, out=tmp_path / "elsewhere" / "rows.jsonl")
+    assert res.finished and [r["step"] for r in res.rows] == [2]
+    assert seen == [run / "checkpoints" / "step_00000002"]  # in place
+    assert "evaluating step_00000002 in place" in caplog.text
+    assert "cannot write TensorBoard events" in caplog.text
+    assert (tmp_path / "elsewhere" / "rows.jsonl").is_file()
+
+
 def test_a_broken_task_file_does_not_hide_the_harness_tasks(tmp_path):
     from llmtrain.eval import task_manager
 
