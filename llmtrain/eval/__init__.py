@@ -182,14 +182,17 @@ def run_eval(
     device: str = "cpu",
     dtype: str = "float32",
     max_length: int | None = None,
+    tasks_checked: bool = False,
 ) -> dict:
     """`llmtrain eval`: a run dir, checkpoint or HF dir -> harness results. Everything that
-    needs no weights is checked before the export."""
+    needs no weights is checked before the export (the tasks not again with `tasks_checked`:
+    the watcher checked them once, before its first look)."""
     path = Path(model)
     if not path.exists():
         raise EvalError(f"{path} does not exist; give a run directory, checkpoint or HF directory")
     check_tokenizer(path)
-    check_eval_args(tasks, include_path, limit, max_length)
+    if not tasks_checked:
+        check_eval_args(tasks, include_path, limit, max_length)
     if is_hf_dir(path):
         return evaluate_hf_dir(path, tasks, include_path, limit, batch_size, device, dtype,
                                max_length)  # fmt: skip

@@ -204,7 +204,8 @@ def watch(
                     todo.append((s, d, ident))
             for step, ck, ident in todo:
                 row = _score(run, step, ck, ident, key, work,
-                             evaluate or (lambda snap: run_eval(snap, tasks, **eval_kwargs)))  # fmt: skip
+                             evaluate or (lambda snap: run_eval(snap, tasks, tasks_checked=True,
+                                                                **eval_kwargs)))  # fmt: skip
                 done.add((step, ident))
                 if row is None:
                     skipped.add(step)
