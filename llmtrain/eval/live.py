@@ -294,6 +294,22 @@ def kept_rng_state():
             torch.cuda.set_rng_state_all(cuda)
 
 
+def engine_lm(model, engine, tokenizer_file, max_length: int, batch_size: int, device):
+    """The harness's model over a (sharded) training engine: periodic evaluation and
+    `llmtrain eval --sharded` both score through it, as validation does."""
+    from tokenizers import Tokenizer
+
+    from llmtrain.data.tokenizer import eos_id
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+
+    def forward(x_BT, rows_N):  # through the engine: ZeRO-3 gathers each layer in turn
+        return engine(x_BT, logits_at=rows_N).logits
+
+    return TrainingModelLM(model, tok, eos_id(tok), max_length=max_length, batch_size=batch_size,
+                           device=device, forward=forward)  # fmt: skip
+
+
 _TASK_MANAGERS: dict = {}
 
 

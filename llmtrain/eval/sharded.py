@@ -144,10 +144,8 @@ class _Scorer:
 
     def _build(self, ck: Path) -> None:
         import torch.distributed as dist
-        from tokenizers import Tokenizer
 
-        from llmtrain.data.tokenizer import eos_id
-        from llmtrain.eval.live import TrainingModelLM
+        from llmtrain.eval.live import engine_lm
         from llmtrain.parallel.engine import device_for
         from llmtrain.train.checkpointing import Checkpointer
         from llmtrain.train.loop import build_model_and_engine
@@ -160,14 +158,9 @@ class _Scorer:
         model, engine = build_model_and_engine(cfg, layout, device)
         self.ckpt = Checkpointer(ck.parent, model, rank, keep_last=0)
         self.ckpt.engine = engine
-        tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
-
-        def forward(x_BT, rows_N):  # through the engine: ZeRO-3 gathers each layer in turn
-            return engine(x_BT, logits_at=rows_N).logits
-
-        self.lm = TrainingModelLM(model, tok, eos_id(tok),
-                                  max_length=self.max_length or cfg.model.max_position_embeddings,
-                                  batch_size=self.batch_size, device=device, forward=forward)  # fmt: skip
+        self.lm = engine_lm(model, engine, ck / "tokenizer.json",
+                            self.max_length or cfg.model.max_position_embeddings,
+                            self.batch_size, device)  # fmt: skip
         engine.train(False)
 
     def __call__(self, ck: Path) -> dict:

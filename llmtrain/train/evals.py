@@ -43,22 +43,14 @@ def periodic_evals(run, done: int) -> dict:
     t = run.cfg.train
     if not due(t, done):
         return {}
-    from tokenizers import Tokenizer
-
-    from llmtrain.data.tokenizer import eos_id
     from llmtrain.eval import _require_lm_eval, flat_metrics
 
     _require_lm_eval()
-    from llmtrain.eval.live import TrainingModelLM, evaluate_live
+    from llmtrain.eval.live import engine_lm, evaluate_live
 
-    tok = Tokenizer.from_file(str(run.tokenizer_file))
     engine = run.engine
-
-    def forward(x_BT, rows_N):  # through the engine, as validation does
-        return engine(x_BT, logits_at=rows_N).logits
-
-    lm = TrainingModelLM(run.model, tok, eos_id(tok), max_length=t.seq_len,
-                         batch_size=t.micro_batch_size, device=run.device, forward=forward)  # fmt: skip
+    lm = engine_lm(run.model, engine, run.tokenizer_file, t.seq_len, t.micro_batch_size,
+                   run.device)  # fmt: skip
     engine.train(False)
     try:
         res = evaluate_live(lm, list(t.eval_tasks), limit=t.eval_tasks_limit or None)

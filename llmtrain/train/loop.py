@@ -241,8 +241,8 @@ def _train(
     _restore(run, ck_dir, counts.flops_per_token)
 
     peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
-    metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world)
-    metrics.ep_size = layout.ep_size
+    metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world,
+                            layout.ep_size)  # fmt: skip
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml)

@@ -116,9 +116,10 @@ class MetricsLogger:
         flops_per_token: float,
         peak: float,
         world: int,
+        ep_size: int = 1,
     ):
         self.rank, self.flops_per_token, self.peak, self.world = rank, flops_per_token, peak, world
-        self.ep_size = 1  # the trainer sets its layout's (for moe/ep_rank_max_over_mean)
+        self.ep_size = ep_size  # for moe/ep_rank_max_over_mean
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.bar = None
