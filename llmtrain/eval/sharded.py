@@ -2,12 +2,13 @@
 
 Why: the default path exports the whole model to one process and loads it in transformers,
 which needs one device (or host) to hold every weight: 1.3 TB in fp32 at 671B. Here every rank
-of a `deepspeed` launch builds the run's own model and engine at its layout (ZeRO partitions,
-routed experts over the expert-parallel ranks, as `llmtrain/train/loop.py` builds them), reads
-only the byte ranges of its own weight pieces from the checkpoint (no optimizer moments, no
-gather), and runs the harness through `llmtrain.eval.live`, the path periodic evaluation takes
-during training: requests dealt over the ranks, scores all-gathered, rank 0 reports. No rank holds
-more of the model than it trained with.
+of a `deepspeed` launch builds the run's own model at its layout (ZeRO-3 partitions, routed
+experts over the expert-parallel ranks, as `llmtrain/train/loop.py` builds them) with a
+`WeightsEngine` (its weights and nothing for training: no fp32 masters, gradient buffers, Adam
+moments or reduce buckets), reads only the byte ranges of its own weight pieces from the
+checkpoint (no gather), and runs the harness through `llmtrain.eval.live`, the path periodic
+evaluation takes during training: requests dealt over the ranks, scores all-gathered, rank 0
+reports.
 
 The layout comes from the checkpoint's config.yaml; `a.b=c` overrides change it (another
 `parallel.ep_size` or `parallel.zero_stage` for another world size). The scores are computed in
@@ -146,7 +147,7 @@ class _Scorer:
         import torch.distributed as dist
 
         from llmtrain.eval.live import engine_lm
-        from llmtrain.parallel.engine import device_for
+        from llmtrain.parallel.engine import WeightsEngine, device_for
         from llmtrain.train.checkpointing import Checkpointer
         from llmtrain.train.loop import build_model_and_engine
 
@@ -155,7 +156,8 @@ class _Scorer:
         if rank == 0:
             logger.info("evaluating %s at %s", ck, layout.describe())
         device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
-        model, engine = build_model_and_engine(cfg, layout, device)
+        # the weights alone: no master copies, gradient buffers, moments or reduce buckets
+        model, engine = build_model_and_engine(cfg, layout, device, Engine=WeightsEngine)
         self.ckpt = Checkpointer(ck.parent, model, rank, keep_last=0)
         self.ckpt.engine = engine
         self.lm = engine_lm(model, engine, ck / "tokenizer.json",

@@ -259,6 +259,19 @@ def zero3_partition(p: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
     return start, max(0, min(part, p.ds_numel - start)), p.ds_tensor.view(-1)
 
 
+def release_gathered(model: nn.Module) -> None:
+    """Drop the whole copies ZeRO-3 keeps gathered between forwards (weights below the
+    persistence threshold stay gathered after their first use), so that the next forward
+    gathers them again from the partitions just written; else a refill (`llmtrain eval --watch
+    --sharded` scoring its second checkpoint) would compute with the previous weights there."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    held = [p for p in model.parameters()
+            if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]  # fmt: skip
+    if held:
+        held[0].partition(held)  # frees the whole copies; the partitions are the values
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices only; expert params split into DeepSpeed's MoE groups."""
     decay, no_decay = [], []
@@ -617,7 +630,88 @@ class Engine:
             for lp, hp in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
                 if hp.numel():
                     lp.data.copy_(hp.data)
+            release_gathered(self.model)
         else:
             raise NotImplementedError(f"cannot refresh weights of {type(opt).__name__}")
         if self.engine.bfloat16_enabled():
             refresh_fp32_routers(self.model)  # routers compute with the restored fp32 masters
+
+
+class WeightsEngine:
+    """The run's model at its layout holding its weights and nothing for training: what
+    `llmtrain eval --sharded` scores with.
+
+    Why: the training `Engine` carries fp32 master weights, fp32 gradient accumulators and
+    DeepSpeed's reduce buckets (ZeRO-1/2 also allocate Adam's moments at build): about 10
+    bytes a parameter beside the 2 of bf16 weights, and under ZeRO-3 fixed buckets of ~2 GB
+    whatever the model. Evaluation needs the weights alone. ZeRO-3 runs DeepSpeed's engine
+    without an optimizer (its partitioning and gather hooks: DeepSpeedZeRoOffload); the other
+    stages keep whole weights on every rank anyway (experts split over the EP ranks by the
+    model), so the model runs as built. Checkpoint pieces are read straight into the
+    training-dtype weights: the fp32 -> bf16 rounding DeepSpeed applies to its master weights,
+    so scores equal the training engine's. Routers keep full fp32 weights (routing is fp32), as
+    in training."""
+
+    def __init__(self, model: nn.Module, cfg: Config, layout: Layout):
+        self.cfg, self.layout, self.model = cfg, layout, model
+        self.zero_stage = effective_zero_stage(cfg, layout)
+        self.engine = model
+        if self.zero_stage == 3:
+            import deepspeed
+
+            for mod, weight in model.weights_read_outside_their_module():
+                deepspeed.zero.register_external_parameter(mod, weight)
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, config=deepspeed_config(cfg, layout)
+            )
+        for m in model.moe_layers() if hasattr(model, "moe_layers") else []:
+            m.keep_routing_state_fp32()
+        self._fp32_router = {}  # id(router weight) -> its full fp32 values (when not fp32 itself)
+        for gate in routers(model):
+            w = gate.weight
+            if w.dtype != torch.float32:
+                shape = tuple(getattr(w, "ds_shape", w.shape))
+                gate.set_fp32_weight(torch.zeros(shape, dtype=torch.float32, device=w.device))
+                self._fp32_router[id(w)] = gate
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def prepare_optimizer_state(self, step: int | None = None) -> None:
+        raise NotImplementedError("a WeightsEngine has no optimizer: restore(weights_only=True)")
+
+    def local_fragment(
+        self, p: torch.Tensor, moments: bool = False
+    ) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """As `Engine.local_fragment` with `moments=False`, the views being the weights the model
+        computes with (the training dtype): a router's full fp32 copy, a ZeRO-3 weight's local
+        partition, else the whole (local) parameter."""
+        if moments:
+            raise NotImplementedError("a WeightsEngine holds no Adam moments")
+        gate = self._fp32_router.get(id(p))
+        if gate is not None:
+            return 0, {"fp32": gate.fp32_weight.view(-1)}
+        part = zero3_partition(p)
+        if part is None:
+            return 0, {"fp32": p.data.view(-1)}
+        start, n, local = part
+        return (start, {"fp32": local[:n]}) if n > 0 else None
+
+    @torch.no_grad()
+    def refresh_low_precision(self) -> None:
+        """After the pieces were written: routers' partitions from their fp32 copies (the value
+        routing reads is the copy; the parameter stays consistent with it), and ZeRO-3's
+        gathered copies dropped so the next forward gathers the new values."""
+        for gate in self._fp32_router.values():
+            w, full = gate.weight, gate.fp32_weight.view(-1)
+            part = zero3_partition(w)
+            if part is None:
+                w.data.copy_(full.view(w.shape))
+            elif part[1] > 0:
+                start, n, local = part
+                local[:n].copy_(full[start : start + n])
+        if self.zero_stage == 3:
+            release_gathered(self.model)
