@@ -148,6 +148,8 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
     attn_term = 6 * c.num_heads * (c.qk_head_dim + c.v_head_dim) * (t + 1) / 2
     attn_flops = c.num_layers * attn_term
     mtp_flops = sum(6 * (l.matmul_active + head_mm) + attn_term for l in mtp_layers)
+    # every attention QK/AV term the FLOPs line holds, the MTP blocks' included
+    attn_all = (c.num_layers + c.mtp_depth) * attn_term
     nbytes = DTYPE_BYTES[kv_dtype]
     return Counts(
         total_params=emb + body_total,
@@ -160,7 +162,7 @@ def count(c: ModelConfig, seq_len: int | None = None, kv_dtype: str = "bf16") ->
         mtp_params=mtp_params,
         flops_per_token=6 * matmul_active + attn_flops + mtp_flops,
         flops_6nd_per_token=6 * body_active,
-        attn_flops_per_token=attn_flops,
+        attn_flops_per_token=attn_all,
         mtp_flops_per_token=mtp_flops,
         seq_len=t,
         kv_cache_bytes_per_token=c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * nbytes,
@@ -446,7 +448,10 @@ def activation_bytes(
     chunk = min(n, max(32, (1 << 22) // v))
     head = norm(d) + v * d * 4  # final norm (its output slot: grad_h), fp32 grad_w
     head_transient = chunk * v * 4 * (2 if a == 4 else 3)
-    mtp = c.mtp_depth * (layer_in * 3 + 2 * norm(d) + attn + ffn(True) + head)
+    # an MTP module: enorm and hnorm (their inputs are the main model's embedding and hidden
+    # state, saved there already; their outputs are saved once, as eh_proj's concatenated
+    # input, which is where norm()'s output slot goes), one block (not checkpointed) and the head
+    mtp = c.mtp_depth * (2 * norm(d) + attn + ffn(True) + head)
     largest = max(layers) if layers else 0.0
     if activation_checkpointing:
         saved = c.num_layers * layer_in + head + mtp
@@ -495,9 +500,9 @@ def memory_per_rank(
     caller knows which kernel runs (no flash-attn installed: "fused"). `async_save`
     (train.async_save) stages a copy of the rank's checkpoint pieces (fp32 weights and both
     moments of its partition) in host memory while the background write runs:
-    `checkpoint_staging`, in `host_bytes` on CUDA and in the total on CPU. Under ZeRO-3 in bf16
-    each rank also keeps the routers' full fp32 weights (routing is fp32; the engine gathers
-    them after each step), counted in `weights`.
+    `checkpoint_staging`, in `host_bytes` on CUDA and in the total on CPU. In bf16 each rank
+    also keeps the routers' full fp32 weights at every stage (DeepSpeed casts the routers; routing
+    is fp32; the engine refreshes them after each step), counted in `weights`.
     """
     if world_size < 1 or ep_size < 1 or world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide world_size={world_size}")
@@ -565,8 +570,9 @@ def memory_per_rank(
         out["deepspeed_buffers"] = w * (live + 2 * bucket)
         if w < 4 and device == "cuda":  # bf16: the fp32 IPG bucket, allocated whole on a GPU
             out["deepspeed_buffers"] += 4 * DS_REDUCE_BUCKET - w * bucket
-        if w < 4:  # parallel/engine.py keep_routing_fp32: full fp32 router weights per rank
-            out["weights"] += 4 * _router_numel(c)
+    if w < 4:  # parallel/engine.py keep_routing_fp32: DeepSpeed casts the routers to bf16 at
+        # every stage; each rank keeps their full fp32 weights beside them (routing is fp32)
+        out["weights"] += 4 * _router_numel(c)
     if seq_len:
         backend = attn_kernel or attention_kernel(c, device, dtype)
         act = activation_bytes(c, micro_batch, seq_len, dtype, activation_checkpointing, backend)

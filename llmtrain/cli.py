@@ -63,7 +63,7 @@ _MEMORY_ROWS = [
 
 def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, Any]:
     """The memory inputs: flags first, then the YAML's train/parallel sections, then defaults
-    (a config.json has none: bf16, micro-batch 1, ZeRO-1, EP 1, T = min(4096, max positions))."""
+    (a config.json has none: bf16, micro-batch 1, ZeRO-1, EP 1); `seq_len` as the FLOPs use."""
 
     def pick(flag: Any, section: str, key: str, default: Any) -> Any:
         if flag is not None:
@@ -76,7 +76,7 @@ def _memory_args(args: argparse.Namespace, cfg: Any, seq_len: int) -> dict[str, 
         "ep_size": pick(args.ep_size, "parallel", "ep_size", 1),
         "dtype": pick(args.dtype, "train", "dtype", "bf16"),
         "micro_batch": pick(args.micro_batch, "train", "micro_batch_size", 1),
-        "seq_len": args.seq_len or (cfg.train.seq_len if cfg is not None else min(4096, seq_len)),
+        "seq_len": seq_len,
         "activation_checkpointing": pick(
             args.activation_checkpointing, "train", "activation_checkpointing", False
         ),
@@ -98,7 +98,11 @@ def cmd_count(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise UsageError(f"--micro-batch {args.micro_batch}: give at least 1 sequence")
     model_cfg, cfg = _load_model_config(args.config, args.overrides)
-    seq_len = args.seq_len or (cfg.train.seq_len if cfg is not None else None)
+    # one context length for FLOPs and memory alike; a config.json has no train.seq_len: its
+    # maximum positions capped at 4096 (V3's 163,840 would make attention 80% of the FLOPs)
+    seq_len = args.seq_len or (
+        cfg.train.seq_len if cfg is not None else min(4096, model_cfg.max_position_embeddings)
+    )
     c = count(model_cfg, seq_len=seq_len, kv_dtype=args.kv_dtype)
     mem = inputs = None
     if args.world_size:
@@ -396,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*", help="a.b=c overrides (YAML configs only)")
     c.add_argument("--json", action="store_true", help="print every count as JSON")
     c.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length for attention FLOPs and activations (default: train.seq_len)")  # fmt: skip
+                   help="sequence length for attention FLOPs and activations (default: train.seq_len; "
+                        "for a config.json, its max positions capped at 4096)")  # fmt: skip
     c.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"],
                    help="element type of the inference KV cache (default bf16)")  # fmt: skip
     c.add_argument("--world-size", type=int, default=0, help="also predict memory per rank")

@@ -149,6 +149,10 @@ def _dtype_worker(rank: int, world: int, port: int, stage: int, ep: int, out: st
     m.update_bias(load)
     step = m.gate.e_score_correction_bias - 0.75
     res["bias_step"] = [float(step.min()), float(step.max())]
+    # the routers' full fp32 copies each rank keeps (what `llmtrain count` adds in bf16)
+    res["router_fp32_bytes"] = sum(
+        m.gate.fp32_weight.nbytes for m in model.moe_layers() if m.gate.fp32_weight is not None
+    )
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     import torch.distributed as dist
 
@@ -256,6 +260,9 @@ def _importable_tests(monkeypatch):
 )  # fmt: skip
 def test_bf16_engine_keeps_routing_and_accumulation_fp32(tmp_path, world, stage, ep):
     pytest.importorskip("deepspeed")
+    from llmtrain.accounting import _router_numel
+    from llmtrain.config import load_config
+
     _spawn(_dtype_worker, world, stage, ep, str(tmp_path))
     for r in range(world):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -269,6 +276,7 @@ def test_bf16_engine_keeps_routing_and_accumulation_fp32(tmp_path, world, stage,
             assert layer["bias"] == "torch.float32"
             assert layer["counts"] == ["torch.float32", "torch.float32"]
         assert res["masters"] == ["torch.float32"]
+        assert res["router_fp32_bytes"] == 4 * _router_numel(load_config(CFG).model)
         # accumulated over 4 micro-batches per rank: bf16 compute noise only (a wrong
         # accumulation, as DeepSpeed's BF16_Optimizer without immediate_grad_update, is > +100%)
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=0.03)
