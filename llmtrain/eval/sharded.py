@@ -28,9 +28,10 @@ from llmtrain.eval import EvalError
 logger = logging.getLogger(__name__)
 
 # what evaluation changes of the run's config: one sequence per rank per "step" (any world size
-# divides it), eager blocks (no compile time), no weights from elsewhere, no periodic tasks
+# divides it), eager blocks (no compile time), no weights from elsewhere, no periodic tasks, no
+# optimizer to offload (a WeightsEngine has none)
 _EVAL_ONLY = ["train.micro_batch_size=1", "train.compile=false", "train.compile_mode=default",
-              "train.init_from=", "train.eval_tasks=[]"]  # fmt: skip
+              "train.init_from=", "train.eval_tasks=[]", "train.offload_optimizer=false"]  # fmt: skip
 
 
 def evaluate_sharded(
