@@ -1,4 +1,8 @@
-"""The `llmtrain` console script: parsing and dispatch only; the work lives in the packages."""
+"""llmtrain: pre-train DeepSeek-style MLA + MoE models with DeepSpeed (ZeRO, expert parallelism),
+count their parameters, FLOPs and memory, fit and use scaling laws, evaluate, and export to
+Hugging Face. `llmtrain COMMAND --help` for each command."""
+
+# The console script: parsing and dispatch only; the work lives in the packages.
 
 from __future__ import annotations
 
@@ -98,6 +102,12 @@ def cmd_count(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise UsageError(f"--micro-batch {args.micro_batch}: give at least 1 sequence")
     model_cfg, cfg = _load_model_config(args.config, args.overrides)
+    if args.device is None:  # for memory: this machine's, as a run here would be
+        args.device = "cpu"
+        if args.world_size:
+            import torch
+
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
     # one context length for FLOPs and memory alike; a config.json has no train.seq_len: its
     # maximum positions capped at 4096 (V3's 163,840 would make attention 80% of the FLOPs)
     seq_len = args.seq_len or (
@@ -418,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdamW state in host memory (default: train.offload_optimizer)")  # fmt: skip
     c.add_argument("--async-save", action="store_true", default=None,
                    help="count train.async_save's host copy of the checkpoint pieces")  # fmt: skip
-    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="whose runtime overhead and attention kernel to assume")  # fmt: skip
+    c.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="whose runtime overhead and attention kernel to assume (default: cuda "
+                        "where torch sees a GPU, else cpu)")  # fmt: skip
     c.add_argument("--attn-kernel", default=None, choices=["flash", "fused", "math", "reference"],
                    help="the training attention kernel, for its activations (default: flash-attn "
                         "on CUDA in half precision; 'fused' for SDPA's kernels, e.g. a GPU "
@@ -668,8 +679,8 @@ def _run(argv: list[str], debug: bool) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     bad = [e for e in extra if "=" not in e or e.startswith("-") or not hasattr(args, "overrides")]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if bad:  # said by the (sub)command whose --help lists what it takes
+        _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
     logging.basicConfig(
@@ -737,6 +748,16 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def _lost_peer(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST)
+
+
+def _innermost(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The deepest subcommand parser that `argv`'s words name (`scaling fit` -> its parser)."""
+    for word in (a for a in argv if not a.startswith("-")):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            break
+        parser = subs[0].choices[word]
+    return parser
 
 
 class _Parser(argparse.ArgumentParser):

@@ -345,6 +345,21 @@ def test_attention_flops_are_the_models_qk_and_av_matmuls(mtp_depth):
     assert got == pytest.approx(bmm, rel=1e-12 if mtp_depth == 0 else 1.0 / t)
 
 
+def test_count_predicts_memory_for_this_machine_by_default(capsys):
+    """Without --device, memory is predicted for the device a run here would use."""
+    import torch
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    out = _count_json(capsys, ROOT / "configs" / "debug.yaml", "--world-size", "1")
+    assert out["memory_per_rank_inputs"]["device"] == here
+    other = "cpu" if here == "cuda" else "cuda"
+    forced = _count_json(
+        capsys, ROOT / "configs" / "debug.yaml", "--world-size", "1", "--device", other
+    )
+    assert forced["memory_per_rank_inputs"]["device"] == other
+    assert forced["memory_per_rank_bytes"]["runtime"] != out["memory_per_rank_bytes"]["runtime"]
+
+
 def test_a_config_json_counts_flops_and_memory_at_one_length(capsys):
     """A config.json has no train.seq_len: FLOPs and memory both take min(4096, max positions)
     (V3's 163,840 positions would make attention most of the FLOPs line)."""

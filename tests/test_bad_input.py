@@ -157,6 +157,8 @@ CONFIG_CASES: list[tuple[str, dict, list[str], tuple[str, ...]]] = [
     ("eval-sharded-no-checkpoint", {"r/checkpoints/x": ""}, ["eval", "{tmp}/r", "--sharded"], ("no complete checkpoint",)),
     ("eval-device-typo", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "gpu0"], ("--device gpu0",)),
     ("eval-device-no-cuda", {}, ["eval", "{tmp}", "--tasks", "llmtrain_ppl", "--device", "cuda:7"], ("--device cuda:7", "CUDA device")),
+    ("count-unknown-flag", {}, ["count", str(ROOT / "configs" / "debug.yaml"), "--bogus"], ("llmtrain count: error: unrecognized", "see llmtrain count --help")),
+    ("fit-unknown-flag", {}, ["scaling", "fit", "{tmp}/x.csv", "--bogus"], ("see llmtrain scaling fit --help",)),
 ]  # fmt: skip
 
 
@@ -399,6 +401,7 @@ SCALING_CASES = [
     ("sweep-plan-bad-family", {}, ["scaling", "sweep", "plan", "--budgets", "1e15", "--family", "{tmp}/no.yaml", "--out", "{tmp}/s"], ("no.yaml",)),
     ("sweep-plan-nan-budget", {}, ["scaling", "sweep", "plan", "--budgets", "nan", "--family", FAMILY, "--out", "{tmp}/s"], ("--budgets",)),
     ("sweep-run-missing", {}, ["scaling", "sweep", "run", "{tmp}/nosweep"], ("nosweep",)),
+    ("fit-planned-sweep", {"s/plan.json": "{}"}, ["scaling", "fit", "{tmp}/s"], ("no finished run", "sweep run")),
     ("hostfile-bad-line", {"h": "node1 slots=two\n"}, ["hostfile", "{h}"], ("h:1", "hostname slots=N")),
     ("hostfile-zero-slots", {"h": "node1 slots=0\n"}, ["hostfile", "{h}"], ("slots must be >= 1",)),
     ("hostfile-twice", {"h": "node1 slots=1\nnode1 slots=2\n"}, ["hostfile", "{h}"], ("twice",)),

@@ -221,7 +221,11 @@ def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "Approach 3" in text and "Approach 2" in text
+    assert "intervals over 20 resamples" in text
     assert (tmp_path / "fit.png").stat().st_size > 20_000
+    assert main(argv[: argv.index("--approach")] + ["--approach", "3"]) == 0  # no --bootstrap
+    text = capsys.readouterr().out
+    assert "resamples" not in text and "--bootstrap N for intervals" in text
     law = load_law(str(tmp_path / "fit.json"))
     assert law.alpha == pytest.approx(BUILTIN_LAWS["epoch"].alpha, abs=0.03)
     assert (

@@ -41,11 +41,26 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "state.json").is_file()
 
 
+def _quiet_harness() -> None:
+    """Our tasks build their documents in Python (`custom_dataset`); the harness then warns, at
+    every load of every such task, that kwargs could be passed through --metadata: advice for
+    its own CLI, noise in ours (four lines per `llmtrain eval`)."""
+    log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _NoMetadataAdvice) for f in log.filters):
+        log.addFilter(_NoMetadataAdvice())
+
+
+class _NoMetadataAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
 def task_manager(tasks: list[str], include_path: list[str] | None = None):
     """Our task folder and the user's; the harness's ~thousands of built-in task files are
     indexed (slow) only when a requested task is not found in those."""
     from lm_eval.tasks import TaskManager
 
+    _quiet_harness()
     paths = [str(TASKS_DIR)]
     for p in include_path or []:
         if not Path(p).is_dir():

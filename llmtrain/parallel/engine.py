@@ -48,7 +48,16 @@ def _free_port() -> int:
 
 def init_distributed(backend: str = "auto") -> tuple[int, int, int]:
     """Join (or, alone, create) the default process group; returns (rank, world, local_rank)."""
+    import warnings
+
     import deepspeed
+
+    # DeepSpeed 0.19.8 calls torch's all_gather_into_tensor, which torch 2.13 deprecates with a
+    # FutureWarning on every rank of every run: not the user's to act on
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )  # fmt: skip
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"

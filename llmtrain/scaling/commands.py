@@ -175,8 +175,10 @@ def _report(results: dict, args) -> None:
     if "approach3" in results:
         r = results["approach3"]
         p = r["params"]
+        ci = (f", 95% bootstrap intervals over {args.bootstrap} resamples" if args.bootstrap
+              else " (--bootstrap N for intervals)")  # fmt: skip
         print(f"\nApproach 3 (sum of Huber(1e-3) on log loss, L-BFGS from {r['starts']} starts, "
-              f"{r['starts_converged']} converged), 95% bootstrap intervals over {args.bootstrap} resamples:")  # fmt: skip
+              f"{r['starts_converged']} converged){ci}:")  # fmt: skip
         for k in ("E", "A", "B", "alpha", "beta", "a_exp", "b_exp"):
             print(f"  {k:<6} {p[k]:>10.4g}{_ci(r, k)}")
         edge = r["on_grid_edge"]

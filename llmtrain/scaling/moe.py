@@ -329,7 +329,9 @@ def load_moe_runs(paths: list[str], final_only: bool = True, **cols) -> MoERuns:
         elif p.is_dir():
             subs = sorted(p.rglob("metrics.jsonl"))
             if not subs:
-                raise ScalingError(f"{p} holds no CSV and no run directories")
+                raise ScalingError(f"{p} holds no CSV and no finished run (no metrics.jsonl under "
+                                   "it); a planned sweep: run `llmtrain scaling sweep run "
+                                   f"{p}` first")  # fmt: skip
             parts.extend(read_moe_run_dir(q.parent) for q in subs)
         else:
             raise ScalingError(f"{p} does not exist")
