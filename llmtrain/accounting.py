@@ -542,9 +542,11 @@ def memory_per_rank(
             out["gradients"] = w * (held + s.part)
             if w < 4:
                 # bf16 at stage 1 runs DeepSpeed's BF16_Optimizer (grad_accum_dtype fp32): a
-                # full, unpartitioned fp32 gradient copy (bf16_optimizer.py fp32_groups_gradients)
-                # beside the bf16 param.grad of the backward (measured: 2 ranks, 4.0 N B fp32)
-                out["gradients"] = 4 * held + w * held
+                # full, unpartitioned fp32 gradient copy (bf16_optimizer.py fp32_groups_gradients;
+                # measured: 2 ranks, 4.0 N B fp32). With immediate_grad_update (parallel/engine.py)
+                # each bf16 param.grad is added into it and freed as backward produces it: none
+                # is alive after a backward (tests/test_bf16.py)
+                out["gradients"] = 4 * held
             # (BF16_Optimizer over one rank: no reduction, hence no bucket; see stage 0)
             one_rank_bf16 = w < 4 and world_size == 1 and not offload_optimizer
             out["deepspeed_buffers"] = 0.0 if one_rank_bf16 else w * (bucket + flat)

@@ -148,7 +148,7 @@ def test_zero_stages_divide_what_they_should():
     # stage 2 also the gradients, stage 3 also the weights
     # (bf16 keeps gradients in fp32: DeepSpeed's grad_accum_dtype; stage 1 a full copy)
     assert m[2]["gradients"] < m[1]["gradients"] and m[2]["gradients"] == pytest.approx(4 * n / w)
-    assert m[1]["gradients"] == pytest.approx(6 * n)
+    assert m[1]["gradients"] == pytest.approx(4 * n)  # bf16 grads freed as they are added
     routers = (
         4 * (cfg.num_layers - cfg.first_k_dense_replace) * cfg.n_routed_experts * cfg.hidden_size
     )

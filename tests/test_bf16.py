@@ -116,8 +116,11 @@ def _dtype_worker(rank: int, world: int, port: int, stage: int, ep: int, out: st
     res["norm"] = eng.grad_norm()  # of the gradient accumulated over the step's micro-batches
     # gradients as accumulated over micro-batches, read at the boundary before the step
     x = _batches(cfg.model.vocab_size, 99, layout.micro_batch, cfg.train.seq_len)
+    res["bf16_grads_alive"] = 0
     for _ in range(layout.grad_accum):
         eng.backward(eng(x[:, :-1], labels=x[:, 1:], check_inputs=False).loss)
+        res["bf16_grads_alive"] += sum(p.grad.numel() for p in model.parameters()
+                                       if p.grad is not None and p.grad.dtype != torch.float32)  # fmt: skip
         if eng.engine.is_gradient_accumulation_boundary():
             g = safe_get_full_grad(model.moe_layers()[0].gate.weight)
             res["grad_dtype"] = str(g.dtype)
@@ -277,6 +280,9 @@ def test_bf16_engine_keeps_routing_and_accumulation_fp32(tmp_path, world, stage,
             assert layer["counts"] == ["torch.float32", "torch.float32"]
         assert res["masters"] == ["torch.float32"]
         assert res["router_fp32_bytes"] == 4 * _router_numel(load_config(CFG).model)
+        if stage == 1:  # ZeRO-1's fp32 accumulator takes each bf16 gradient and frees it, as
+            # `llmtrain count` assumes (no bf16 gradients beside the fp32 ones)
+            assert res["bf16_grads_alive"] == 0
         # accumulated over 4 micro-batches per rank: bf16 compute noise only (a wrong
         # accumulation, as DeepSpeed's BF16_Optimizer without immediate_grad_update, is > +100%)
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=0.03)
