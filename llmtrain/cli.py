@@ -490,7 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--c-col", help="compute column (default: C, flops, compute ...)")
     f.add_argument("--loss-col", help="loss column (default: loss, val_loss ...)")
     f.add_argument(
-        "--drop-highest", type=int, default=0, metavar="K", help="drop the K highest-loss points"
+        "--drop-highest",
+        type=int,
+        default=0,
+        metavar="K",
+        help="drop the K highest-loss rows (as Epoch AI drop 5 of Chinchilla's runs); rows are "
+        "points, mid-schedule checkpoints included, dropped before each approach picks "
+        "its points",
     )
     f.add_argument(
         "--intermediate", action="store_true", help="approach 1: use mid-schedule checkpoints too"

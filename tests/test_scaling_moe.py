@@ -306,6 +306,25 @@ def test_cli_fit_from_csv_with_plot(tmp_path, capsys):
     fit = json.loads(js.read_text())
     assert fit["params"]["gamma"] == truth.gamma
     assert fit["params"]["alpha"] == pytest.approx(truth.alpha, abs=0.02)
+    # columns named on the command line are the ones read, even a default's own name, beside
+    # another column the defaults would take first (here `tokens`, before `D`)
+    g = tmp_path / "both.csv"
+    with open(g, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["active_params", "total_params", "experts", "tokens", "D", "loss"])
+        w.writerows(zip(r.n_act, r.n_total, r.experts, r.D * 1000, r.D, r.loss))
+    fits = {}
+    for col in ("D", "tokens"):
+        assert main(["scaling", "fit", str(g), "--law", "moe-joint", "--d-col", col, "--json",
+                     "--fix", "gamma", "zeta"]) == 0  # fmt: skip
+        fits[col] = json.loads(capsys.readouterr().out)["params"]
+    assert fits["D"]["alpha"] == pytest.approx(fit["params"]["alpha"], rel=1e-6)
+    assert fits["D"]["b"] != pytest.approx(fits["tokens"]["b"], rel=1e-3)
+    # a dense fit's flag is refused with an MoE law, not dropped (and the other way round)
+    assert main([*argv, "--drop-highest", "3"]) == 2
+    assert "--drop-highest" in capsys.readouterr().err
+    assert main(["scaling", "fit", str(f), "--fix", "gamma"]) == 2
+    assert "add --law" in capsys.readouterr().err
 
 
 def test_run_directories_give_experts_granularity_and_total(tmp_path):

@@ -88,10 +88,21 @@ def allocate(args) -> int:
 
 
 def fit(args) -> int:
+    moe_only = [f for f, on in (("--fix", args.fix), ("--grid", args.grid != "default")) if on]
+    dense_only = [f for f, on in (("--approach", args.approach != "all"), ("--n-col", args.n_col),
+                                  ("--c-col", args.c_col), ("--drop-highest", args.drop_highest),
+                                  ("--intermediate", args.intermediate)) if on]  # fmt: skip
     if getattr(args, "law", None):  # moe-joint | moe-granular: see moe_commands
         from llmtrain.scaling import moe_commands
 
+        if dense_only:  # a flag that would be dropped silently is a wrong fit the user trusts
+            raise ScalingError(f"{', '.join(dense_only)}: for the dense fits (Chinchilla's "
+                               f"approaches); --law {args.law} takes --active-col, --total-col, "
+                               "--experts-col, --granularity-col, --d-col, --loss-col, --fix, --grid")  # fmt: skip
         return moe_commands.fit(args)
+    if moe_only:
+        raise ScalingError(f"{', '.join(moe_only)}: for the MoE laws; add --law moe-joint or "
+                           "--law moe-granular")  # fmt: skip
     from llmtrain.scaling.fit import fit_approach1, fit_approach2, fit_approach3
     from llmtrain.scaling.io import load_runs
 

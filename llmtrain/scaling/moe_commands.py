@@ -132,9 +132,9 @@ def fit(args) -> int:
 
     cols = {"n_act": args.active_col, "n_total": args.total_col, "experts": args.experts_col,
             "granularity": args.granularity_col}  # fmt: skip
-    if args.d_col != "D":
+    if args.d_col is not None:  # asked for by name, even one the defaults would also try
         cols["D"] = args.d_col
-    if args.loss_col != "loss":
+    if args.loss_col is not None:
         cols["loss"] = args.loss_col
     runs = moe.load_moe_runs(args.runs, **cols)
     t0 = time.perf_counter()

@@ -97,7 +97,7 @@ REGISTRY: dict[str, LawSpec] = {
     "chinchilla": _dense("chinchilla", "Hoffmann et al. 2022, Training Compute-Optimal LLMs",
                          "2203.15556", "Approach 3 (unrounded), as in llmtrain.scaling.laws"),
     "epoch": _dense("epoch", "Besiroglu et al. 2024, Chinchilla Scaling: A replication attempt",
-                    "", "as in llmtrain.scaling.laws"),
+                    "2404.10102", "as in llmtrain.scaling.laws"),
     "krajewski2024": LawSpec(
         "krajewski2024", "granular",
         "Krajewski et al. 2024, Scaling Laws for Fine-Grained Mixture of Experts", "2402.07871",
