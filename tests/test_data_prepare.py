@@ -109,6 +109,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     assert any("e.parquet is not a readable parquet" in b for b in bad)
     assert any("f.jsonl.gz: unreadable" in b for b in bad)
     assert 28 <= len(docs) < 60  # the good lines, and the readable part of the gzip
+    assert any(k.startswith("f.jsonl.gz:") for k, _ in docs)  # that part is read, not dropped
     out = prepare_data(_cfg(tmp_path, [str(d)]), vocab_size=300)
     idx = json.loads((out / "index.json").read_text())
     assert idx["bad_records"] == 7 and len(idx["bad_examples"]) == 5
@@ -120,6 +121,19 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         prepare_data(_cfg(tmp_path / "y", [str(tmp_path / "missing")]), vocab_size=300)
     assert not list((tmp_path / "y" / "cache").rglob("*.partial"))
+
+
+def test_bad_bytes_deep_in_a_large_text_file_say_what_was_kept(tmp_path, monkeypatch):
+    """A text file is streamed in pieces: bytes that are not UTF-8 past the first piece are
+    found after those pieces were taken. The report says they were kept, not that the file was
+    skipped."""
+    monkeypatch.setattr(corpus, "TEXT_PIECE_CHARS", 100)
+    f = tmp_path / "big.txt"
+    f.write_bytes("".join(f"line {i} of good text\n" for i in range(400)).encode() + b"bad \xff\n")
+    bad: list[str] = []
+    docs = list(iter_documents([str(f)], bad=bad))
+    assert len(bad) == 1 and "not UTF-8 text past its first" in bad[0] and "kept" in bad[0], bad
+    assert len(docs) == 1 and docs[0][1].startswith("line 0 of good text")
 
 
 def test_mixture_weights_are_deterministic(tmp_path):
@@ -147,7 +161,7 @@ def _corpus(tmp_path, n_files=6, docs_per=40):
     return d
 
 
-def test_parallel_equals_serial_and_shards_roll(tmp_path):
+def test_parallel_equals_serial_and_shards_roll(tmp_path, monkeypatch):
     d = _corpus(tmp_path)
     kw = dict(chunk_bytes=4000, shard_tokens=3000)
     one = prepare_data(_cfg(tmp_path / "1", [str(d)], **kw), vocab_size=300)
@@ -159,7 +173,17 @@ def test_parallel_equals_serial_and_shards_roll(tmp_path):
         assert (one / s["file"]).read_bytes() == (two / s["file"]).read_bytes()
     ds = PackedDataset(one, "train", 16)  # memory-mapped, read in place
     assert ds.n_tokens == idx["splits"]["train"]["tokens"]
-    assert (ds._range(0, ds.n_tokens) == ds.eos_id).sum() == idx["splits"]["train"]["docs"]
+    stream = ds._range(0, ds.n_tokens)
+    assert (stream == ds.eos_id).sum() == idx["splits"]["train"]["docs"]
+    # at most OPEN_SHARDS shards stay mapped (a descriptor each: a terabyte corpus has thousands
+    # of shards), and reading through the others, in any order, gives the same tokens
+    import llmtrain.data.loader as loader
+
+    monkeypatch.setattr(loader, "OPEN_SHARDS", 2)
+    few = PackedDataset(one, "train", 16)
+    for i in np.random.default_rng(0).permutation(few.n_seq):
+        assert np.array_equal(few.sequence(int(i)), stream[i * 16 : i * 16 + 17])
+        assert len(few._maps) <= 2
 
 
 def test_killed_preparation_resumes_to_identical_bytes(tmp_path):
@@ -295,6 +319,18 @@ def test_split_does_not_depend_on_how_the_path_is_spelled(tmp_path, monkeypatch)
     glob_keys = val_keys(str(src / "**" / "*.jsonl"))  # a glob: names from its fixed prefix
     assert glob_keys == ref
     assert all(not k.startswith("/") for k in ref)
+    # a local dataset folder through `datasets` (hf:PATH) alike
+    pytest.importorskip("datasets")
+    hf = val_keys("hf:corpus/sub")
+    assert hf and hf == val_keys(f"hf:{src / 'sub'}") == val_keys(f"hf:{tmp_path / 'link' / 'sub'}")
+    # one file reached by two sources would be split twice (its documents keyed by two names):
+    # refused, with the way to upweight part of a corpus
+    over = _cfg(tmp_path, [str(src), {"path": str(src / "sub"), "weight": 2.0}])
+    with pytest.raises(
+        DataError, match=r"sources\[0\] and data.sources\[1\] both reach .*upweight"
+    ):
+        prepare_data(over, vocab_size=300)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("index.json"))
 
 
 def test_hidden_folders_non_text_fields_and_lone_surrogates(tmp_path):
@@ -427,6 +463,18 @@ def test_large_text_files_tokenize_as_the_whole_file(monkeypatch):
     assert ids == tok.encode(text, add_special_tokens=False).ids
     assert corpus._cut("a\n  b\nc\n   ") == 6 and corpus._cut("  \n   ") == 0
     assert corpus._cut("  \n   ", anyhow=True) == 3
+    # one huge JSONL/Parquet document is encoded in such pieces too, with the same tokens
+    from llmtrain.data import prepare
+    from llmtrain.data.tokenizer import eos_id
+
+    assert len(prepare.split_long(text)) > 10 and "".join(prepare.split_long(text)) == text
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(str(Path(d) / "tok.json"))
+        prepare._init_worker(str(Path(d) / "tok.json"), "text", 0.0, "uint32")
+    out = prepare._encode_chunk([("doc:0", "text", text, True)])
+    assert out["train"].tolist() == ids + [eos_id(tok)]
+    # no newline to cut after: pieces of at most 4 × TEXT_PIECE_CHARS all the same (memory first)
+    assert [len(p) for p in prepare.split_long("x" * 1000)] == [800, 200]
 
 
 def test_tokenizer_sample_takes_every_source_by_weight(tmp_path):

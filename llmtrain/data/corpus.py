@@ -196,7 +196,7 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
     import codecs
 
     dec = codecs.getincrementaldecoder("utf-8")("strict")
-    kind = "text"
+    kind, kept = "text", 0
     try:
         with open(f, "rb") as fh:
             head = fh.read(4096)
@@ -212,14 +212,17 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
                 )
                 if cut:
                     yield key, kind, pending[:cut], False
-                    kind, pending = "more", pending[cut:]
+                    kind, pending, kept = "more", pending[cut:], kept + cut
                 raw = fh.read(TEXT_PIECE_CHARS)
             pending += dec.decode(b"", final=True)
             yield key, kind, pending, True
     except (UnicodeDecodeError, OSError) as e:
-        if kind == "more":  # close the document begun in earlier pieces
-            yield key, "more", "", True
         why = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e})"
+        if kind == "more":  # close the document begun in earlier pieces, and say it was kept:
+            # streaming never holds the file, so what was read before the fault is trained on
+            yield key, "more", "", True
+            why += (f" past its first {kept:,} characters: those are kept as a document, the "
+                    "rest is skipped")  # fmt: skip
         yield key, "bad", f"{f} {why}", True
 
 
@@ -298,10 +301,12 @@ def _iter_hf(spec: str, text_field: str, streaming: bool = True) -> Iterator[Ite
                                    streaming=streaming)  # fmt: skip
     except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ...)
         raise DataError(f"data source hf:{spec}: cannot open with datasets ({e})") from e
+    # the split hashes the key: a local folder is named by itself, not by how its path is spelled
+    label = Path(name).resolve().name if Path(name).is_dir() else name
     for i, row in enumerate(ds):
         if text_field not in row:
             raise DataError(f"dataset {name}: no field {text_field!r} (set data.text_field)")
-        yield f"{name}:{i}", "text", row[text_field], True
+        yield f"{label}:{i}", "text", row[text_field], True
 
 
 def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:

@@ -13,12 +13,17 @@ permutations are stateless bijections (`permute`): O(1) memory per rank at any c
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from llmtrain.data.corpus import DataError
+
+# Shards kept memory-mapped at once per dataset: each map holds a file descriptor, and a
+# terabyte corpus has thousands of shards (50M tokens each) against a usual limit of 1,024
+OPEN_SHARDS = 64
 
 
 class PackedDataset:
@@ -33,8 +38,10 @@ class PackedDataset:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{self.root}/index.json is missing or corrupt ({e!r}); delete "
                             f"{self.root} to prepare the data again") from e  # fmt: skip
-        self.maps = [self._open(s, dtype) for s in shards]
-        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+        self.dtype = dtype
+        self.files = [self._check(s, dtype) for s in shards]
+        self.starts = np.cumsum([0] + [int(s["tokens"]) for s in shards])
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # the recently used shards
         self.n_tokens = int(self.starts[-1])
         self.seq_len = seq_len
         self.n_seq = (self.n_tokens - 1) // seq_len
@@ -44,9 +51,9 @@ class PackedDataset:
                 f"{seq_len}; add data or lower train.seq_len"
             )
 
-    def _open(self, shard: dict, dtype: np.dtype) -> np.memmap:
-        """A shard, memory-mapped, after checking its size against the index: a truncated or
-        replaced shard would shift every later sample without any error."""
+    def _check(self, shard: dict, dtype: np.dtype) -> Path:
+        """A shard's path, after checking its size against the index: a truncated or replaced
+        shard would shift every later sample without any error."""
         f = self.root / shard["file"]
         want = int(shard["tokens"]) * dtype.itemsize
         try:
@@ -57,16 +64,29 @@ class PackedDataset:
         if have != want:
             raise DataError(f"prepared shard {f} holds {have} bytes where its index says {want} "
                             f"(truncated or overwritten); delete {self.root} to prepare the data again")  # fmt: skip
-        if want == 0:
-            return np.empty(0, dtype=dtype)
-        return np.memmap(f, dtype=dtype, mode="r")
+        return f
+
+    def shard(self, k: int) -> np.ndarray:
+        """Shard k's tokens, memory-mapped on first use; at most OPEN_SHARDS stay mapped."""
+        m = self._maps.get(k)
+        if m is not None:
+            self._maps.move_to_end(k)
+            return m
+        if self.starts[k + 1] == self.starts[k]:
+            m = np.empty(0, dtype=self.dtype)
+        else:
+            m = np.memmap(self.files[k], dtype=self.dtype, mode="r")
+        self._maps[k] = m
+        if len(self._maps) > OPEN_SHARDS:
+            self._maps.popitem(last=False)  # its descriptor closes with the map
+        return m
 
     def _range(self, a: int, b: int) -> np.ndarray:
         out = np.empty(b - a, dtype=np.int64)
         k = int(np.searchsorted(self.starts, a, side="right") - 1)
         pos = a
         while pos < b:
-            m = self.maps[k]
+            m = self.shard(k)
             lo = pos - self.starts[k]
             hi = min(len(m), b - self.starts[k])
             out[pos - a : pos - a + hi - lo] = m[lo:hi]
@@ -79,7 +99,7 @@ class PackedDataset:
         Exact up to max_tokens; beyond, estimated on 256 evenly spaced blocks of the stream."""
         counts = np.zeros(self.vocab_size, dtype=np.int64)
         if self.n_tokens <= max_tokens:
-            blocks = list(self.maps)
+            blocks = (self.shard(k) for k in range(len(self.files)))
         else:
             size = max_tokens // 256
             starts = np.linspace(0, self.n_tokens - size, 256).astype(np.int64)

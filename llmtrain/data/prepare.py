@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtrain.data import corpus
 from llmtrain.data.corpus import (
     DataError,
     Item,
@@ -78,16 +79,30 @@ def _fingerprint(data_cfg, vocab_size: int) -> str:
     h = hashlib.sha256(
         json.dumps({**cfg, "vocab": vocab_size, "v": FORMAT_VERSION}, sort_keys=True).encode()
     )
-    for src in parse_sources(data_cfg.sources):
-        if src.spec.startswith("hf:"):
-            continue
-        try:
-            files = source_files(src.spec)
-        except DataError:
-            files = []  # reported when the data is read
+    reached: dict[Path, int] = {}  # each file's real path -> the first source reaching it
+    for i, src in enumerate(parse_sources(data_cfg.sources)):
+        if src.spec.startswith("hf:"):  # a local dataset folder: its files; a Hub name: none
+            local = Path(src.spec[3:].partition("@")[0].partition(":")[0])
+            files = sorted(f for f in local.rglob("*") if f.is_file()) if local.is_dir() else []
+        else:
+            try:
+                files = source_files(src.spec)
+            except DataError:
+                files = []  # reported when the data is read
         for f in files:
+            real = f.resolve()
+            if reached.setdefault(real, i) != i:
+                raise DataError(
+                    f"data.sources[{reached[real]}] and data.sources[{i}] both reach {f}: documents "
+                    "are split into train and validation by their names inside their source, so "
+                    "a file read by two sources would land in both splits. List disjoint sources; "
+                    "to upweight part of a corpus, give it its own source with a weight and keep "
+                    "it out of the other (another folder, or a glob)"
+                )
+            # size, nanosecond mtime and inode: a same-size edit within one second, or a file
+            # replaced by a copy that kept its mtime, still changes the key
             st = f.stat()
-            h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
     if data_cfg.tokenizer not in ("", "train"):
         t = Path(data_cfg.tokenizer)
         f = t / "tokenizer.json" if t.is_dir() else t
@@ -296,6 +311,19 @@ def _init_worker(tok_file: str, text_field: str, val_percent: float, dtype: str)
     _W.update(tok=tok, eos=eos_id(tok), tf=text_field, val=val_percent, dtype=np.dtype(dtype))
 
 
+def split_long(text: str) -> list[str]:
+    """A document's text in ~TEXT_PIECE_CHARS pieces cut as large text files are (after a
+    newline followed by text: with a byte-level BPE the pieces' tokens are the whole text's),
+    so a huge JSONL or Parquet document is not encoded at once."""
+    n, out, start = corpus.TEXT_PIECE_CHARS, [], 0
+    while len(text) - start > 4 * n:
+        cut = corpus._cut(text[start : start + n]) or corpus._cut(text[start : start + 4 * n], True)
+        out.append(text[start : start + cut])
+        start += cut
+    out.append(text[start:])
+    return out
+
+
 def _encode_chunk(items: list[Item]) -> dict:
     """Parse and encode one chunk: the token stream of each split, docs, bad records."""
     tok, eos, dtype = _W["tok"], _W["eos"], _W["dtype"]
@@ -310,12 +338,19 @@ def _encode_chunk(items: list[Item]) -> dict:
         chars += len(text)
         texts.append(text)
         meta.append((is_validation(item[0], _W["val"]), item[3]))
-    encs = tok.encode_batch(texts, add_special_tokens=False) if texts else []
+    long = {i for i, t in enumerate(texts) if len(t) > 4 * corpus.TEXT_PIECE_CHARS}
+    short = [t for i, t in enumerate(texts) if i not in long]
+    encs = iter(tok.encode_batch(short, add_special_tokens=False) if short else [])
     parts: dict[bool, list] = {False: [], True: []}
     docs = {False: 0, True: 0}
     eos_arr = np.array([eos], dtype=dtype)
-    for (val, end), enc in zip(meta, encs):
-        parts[val].append(np.asarray(enc.ids, dtype=dtype))
+    for i, (val, end) in enumerate(meta):
+        if i in long:  # one piece at a time: an Encoding costs ~100 bytes a character
+            ids = np.concatenate([np.asarray(tok.encode(p, add_special_tokens=False).ids, dtype)
+                                  for p in split_long(texts[i])])  # fmt: skip
+        else:
+            ids = np.asarray(next(encs).ids, dtype=dtype)
+        parts[val].append(ids)
         if end:
             parts[val].append(eos_arr)
             docs[val] += 1
