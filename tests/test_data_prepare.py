@@ -75,6 +75,17 @@ def test_every_format_streams_the_same_documents(tmp_path, monkeypatch):
     # data.streaming=false: `datasets` downloads (here: converts) the dataset first, same rows
     rows = [it[2] for it in iter_items(parse_sources([f"hf:{hf_dir}"]), "text", streaming=False)]
     assert rows == docs[:3]
+    # a `datasets` save_to_disk folder: its .arrow rows, not its metadata JSON as documents;
+    # a .json file of JSON lines is JSON lines (as .json.gz is)
+    pytest.importorskip("datasets")
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": docs[:4]}).save_to_disk(str(saved))
+    assert {p.name for p in saved.iterdir()} >= {"dataset_info.json", "state.json"}
+    assert [t for _, t in iter_documents([str(saved)])] == docs[:4]
+    (tmp_path / "lines.json").write_text((d / "a.jsonl").read_text())
+    assert [t for _, t in iter_documents([str(tmp_path / "lines.json")])] == docs[:3]
     with pytest.raises(DataError, match="does not exist"):
         list(iter_documents([str(tmp_path / "missing")]))
     with pytest.raises(DataError, match="matches no files"):

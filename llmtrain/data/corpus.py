@@ -92,6 +92,10 @@ def copies(key: str, weight: float) -> int:
     return whole + (frac > 0 and (zlib.crc32(b"mix:" + key.encode()) % 1_000_000) < frac * 1e6)
 
 
+# what `datasets.Dataset.save_to_disk` writes beside its .arrow files
+DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
 def source_files(spec: str) -> list[Path]:
     """The files of a local source (a file, a directory, or a glob), sorted; errors name it."""
     if spec == BUILTIN_STDLIB:
@@ -107,6 +111,9 @@ def source_files(spec: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(path).parts))  # .cache/, .git/ ...  # fmt: skip
+        # a `datasets` save_to_disk folder: its .arrow files are the data, its JSON the metadata
+        arrow_dirs = {p.parent for p in files if p.suffix == ".arrow"}
+        files = [p for p in files if not (p.name in DATASETS_METADATA and p.parent in arrow_dirs)]
         if not files:
             raise DataError(f"data directory {path} holds no files")
         return files
@@ -158,7 +165,7 @@ def stable_name(f: Path, root: Path) -> str:
 
 def _kind(f: Path) -> str:
     name = f.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz")):
+    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".json")):  # .json: JSON lines too
         return "jsonl"
     if name.endswith(".parquet"):
         return "parquet"
