@@ -221,7 +221,8 @@ class DataConfig:
     tokenizer: str = "train"  # "train" (byte-level BPE of model.vocab_size) or a tokenizer dir/file
     tokenizer_train_bytes: int = 20_000_000
     val_percent: float = 2.0  # documents held out for validation, by a stable hash of their key
-    max_bytes: int = 0  # stop reading after this many characters (0: all)
+    max_bytes: int = 0  # read about this many characters (0: all): each source its weight's
+    # share, whole documents
     shard_tokens: int = 50_000_000
     cache_dir: str = ""  # default $LLMTRAIN_CACHE or ~/.cache/llmtrain
     doc_mask: bool = False  # attention stays inside each packed document

@@ -147,6 +147,32 @@ def test_bad_bytes_deep_in_a_large_text_file_say_what_was_kept(tmp_path, monkeyp
     assert len(docs) == 1 and docs[0][1].startswith("line 0 of good text")
 
 
+def test_max_bytes_takes_whole_documents_from_every_source_by_weight(tmp_path, monkeypatch):
+    """data.max_bytes caps the corpus: each source gives its weight's share, in whole documents
+    (the last one ends with its EOS), not the first source's head cut mid-document."""
+    from llmtrain.data import prepare
+
+    rng = np.random.default_rng(7)
+    srcs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "x.jsonl", "w") as f:
+            f.writelines(
+                json.dumps({"text": f"{name} " + _text(rng, 30)}) + "\n" for _ in range(50)
+            )
+        srcs.append(str(tmp_path / name))
+    cfg = _cfg(tmp_path, [srcs[0], {"path": srcs[1], "weight": 3.0}], max_bytes=4000)
+    items = [it for chunk in prepare._chunks(cfg) for it in chunk]
+    text = [it[2].decode() if isinstance(it[2], bytes) else it[2] for it in items]
+    chars = {n: sum(len(t) for t in text if f'"{n} ' in t) for n in "ab"}
+    assert 1000 <= chars["a"] < 1000 + 400 and 3000 <= chars["b"] < 3000 + 400, chars
+    monkeypatch.setattr(corpus, "TEXT_PIECE_CHARS", 100)  # a text file: stops at its end
+    (tmp_path / "t.txt").write_text("".join(f"line {i}\n" for i in range(400)))
+    items = [it for chunk in prepare._chunks(_cfg(tmp_path, [str(tmp_path / "t.txt")], max_bytes=300))
+             for it in chunk]  # fmt: skip
+    assert items[-1][3] and "".join(it[2] for it in items).endswith("line 399\n")
+
+
 def test_mixture_weights_are_deterministic(tmp_path):
     rng = np.random.default_rng(2)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

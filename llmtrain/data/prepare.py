@@ -279,21 +279,27 @@ def prepare_data(
 
 
 def _chunks(data_cfg) -> Iterator[list[Item]]:
-    """Items cut into chunks of ~chunk_bytes, deterministically; stops after max_bytes."""
+    """Items cut into chunks of ~chunk_bytes, deterministically. With max_bytes each source
+    gives its weight's share of it, and stops at the end of a document (a cut one would have
+    no EOS), so a capped mixture is a sample of every source, not the first one's head."""
     chunk: list[Item] = []
-    size = total = 0
-    for item in iter_items(parse_sources(data_cfg.sources), data_cfg.text_field,
-                           data_cfg.streaming):  # fmt: skip
-        p = item[2]
-        n = len(p) if isinstance(p, (str, bytes)) else 0
-        chunk.append(item)
-        size += n
-        total += n
-        if size >= data_cfg.chunk_bytes:
-            yield chunk
-            chunk, size = [], 0
-        if data_cfg.max_bytes and total >= data_cfg.max_bytes:
-            break
+    size = 0
+    sources = parse_sources(data_cfg.sources)
+    weights = sum(s.weight for s in sources)
+    for src in sources:
+        budget = data_cfg.max_bytes * src.weight / weights if data_cfg.max_bytes else 0
+        taken = 0
+        for item in iter_items([src], data_cfg.text_field, data_cfg.streaming):
+            p = item[2]
+            n = len(p) if isinstance(p, (str, bytes)) else 0
+            chunk.append(item)
+            size += n
+            taken += n
+            if size >= data_cfg.chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            if budget and taken >= budget and item[3]:
+                break
     if chunk:
         yield chunk
 
