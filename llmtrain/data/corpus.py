@@ -250,9 +250,11 @@ def _column_batches(f: Path, text_field: str, batches, name: str) -> Iterator[It
         if text_field not in b.schema.names:
             raise DataError(f"{f}: no column {text_field!r}; columns are {b.schema.names} "
                             "(set data.text_field)")  # fmt: skip
-        for t in b.column(text_field).to_pylist():
-            yield f"{name}:{i}", "text", t, True
-            i += 1
+        col = b.column(text_field)
+        for at in range(0, len(col), 1024):  # an Arrow file may be one huge record batch
+            for t in col.slice(at, 1024).to_pylist():
+                yield f"{name}:{i}", "text", t, True
+                i += 1
 
 
 def _iter_parquet(f: Path, text_field: str, name: str) -> Iterator[Item]:

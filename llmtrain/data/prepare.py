@@ -537,7 +537,16 @@ def _build(data_cfg, vocab_size: int, out: Path) -> None:
         why = f"; {bad_n} bad record(s) skipped, the first: {bad_first[0]}" if bad_n else ""
         raise DataError(f"no training text found in data.sources={data_cfg.sources}{why}")
     if not writers["val"].shards:
-        raise DataError("the validation split is empty: raise data.val_percent or add documents")
+        n = writers["train"].docs
+        raise DataError(
+            f"the validation split is empty: each document goes wholly to one split, and all "
+            f"{n} went to training; raise data.val_percent or add documents"
+            + (
+                " (a text file is one document: cut a large one into several files)"
+                if n < 50
+                else ""
+            )
+        )
     if bad_n:
         logger.warning("skipped %d bad record(s) (data.max_bad_records=%d); first: %s", bad_n,
                        data_cfg.max_bad_records, bad_first[0])  # fmt: skip
