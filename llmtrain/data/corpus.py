@@ -297,14 +297,20 @@ def _iter_arrow(f: Path, text_field: str, name: str) -> Iterator[Item]:
         yield name, "bad", f"{f}: unreadable part ({e})", True
 
 
+def hf_parts(spec: str) -> tuple[str, str, str]:
+    """`NAME[:CONFIG][@SPLIT]` (an `hf:` source without its prefix) -> (name, config, split)."""
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    return name, config, split
+
+
 def _iter_hf(spec: str, text_field: str, streaming: bool = True) -> Iterator[Item]:
     """`hf:NAME[:CONFIG][@SPLIT]` — a Hub dataset, or a local dataset directory or script —
     streamed through `datasets` (nothing is downloaded whole or converted first), or with
     `streaming=False` (data.streaming) downloaded and cached by `datasets` first."""
     import datasets
 
-    name, _, split = spec.partition("@")
-    name, _, config = name.partition(":")
+    name, config, split = hf_parts(spec)
     try:
         ds = datasets.load_dataset(name, config or None, split=split or "train",
                                    streaming=streaming)  # fmt: skip

@@ -51,6 +51,7 @@ from llmtrain.data import corpus
 from llmtrain.data.corpus import (
     DataError,
     Item,
+    hf_parts,
     is_validation,
     iter_documents,
     iter_items,
@@ -82,7 +83,7 @@ def _fingerprint(data_cfg, vocab_size: int) -> str:
     reached: dict[Path, int] = {}  # each file's real path -> the first source reaching it
     for i, src in enumerate(parse_sources(data_cfg.sources)):
         if src.spec.startswith("hf:"):  # a local dataset folder: its files; a Hub name: none
-            local = Path(src.spec[3:].partition("@")[0].partition(":")[0])
+            local = Path(hf_parts(src.spec[3:])[0])
             files = sorted(f for f in local.rglob("*") if f.is_file()) if local.is_dir() else []
         else:
             try:

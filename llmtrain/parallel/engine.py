@@ -268,6 +268,15 @@ def zero3_partition(p: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
     return start, max(0, min(part, p.ds_numel - start)), p.ds_tensor.view(-1)
 
 
+def register_external_weights(model: nn.Module) -> None:
+    """ZeRO-3 gathers a weight only inside its own module's call: declare the weights a module
+    reads from elsewhere (e.g. the latent-cache decode path reads kv_b_proj.weight)."""
+    import deepspeed
+
+    for mod, weight in model.weights_read_outside_their_module():
+        deepspeed.zero.register_external_parameter(mod, weight)
+
+
 def release_gathered(model: nn.Module) -> None:
     """Drop the whole copies ZeRO-3 keeps gathered between forwards (weights below the
     persistence threshold stay gathered after their first use), so that the next forward
@@ -457,9 +466,8 @@ class Engine:
             opt = torch.optim.AdamW(
                 groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
             )
-        if effective_zero_stage(cfg, layout) == 3:  # e.g. the latent-cache decode path
-            for mod, weight in model.weights_read_outside_their_module():
-                deepspeed.zero.register_external_parameter(mod, weight)
+        if effective_zero_stage(cfg, layout) == 3:
+            register_external_weights(model)
         self.ds_config = deepspeed_config(cfg, layout)
         fp32_routers = [  # exact values, before the engine casts them (none when partitioned)
             None if hasattr(g.weight, "ds_id") else g.weight.detach().float().clone()
@@ -668,8 +676,7 @@ class WeightsEngine:
         if self.zero_stage == 3:
             import deepspeed
 
-            for mod, weight in model.weights_read_outside_their_module():
-                deepspeed.zero.register_external_parameter(mod, weight)
+            register_external_weights(model)
             self.engine, _, _, _ = deepspeed.initialize(
                 model=model, config=deepspeed_config(cfg, layout)
             )
