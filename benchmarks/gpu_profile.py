@@ -194,14 +194,14 @@ def _bench(fn, sync, min_s: float = 0.005) -> float:
 
 def ceiling_rows(dev: str, sync):
     """The device's two ceilings on random data: a bf16 matrix product (the trainer's own
-    ceiling measurement, best of 10) and a copy."""
+    ceiling measurement) and a copy."""
     import torch
 
     from llmtrain.train.metrics import measure_matmul_ceiling
 
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
     n = 1024 if dev == "cpu" else 8192
-    rate = measure_matmul_ceiling(torch.device(dev), dt, n=n)
+    rate = measure_matmul_ceiling(torch.device(dev), dt, n=n, reps=10)
     name = f"matmul {n}^3 {str(dt).split('.')[-1]}"
     yield f"{name:<42} {2 * n**3 / rate * 1e3:>8.2f} {rate / 1e12:>8.1f} TFLOP/s ({rate / PEAK_BF16:.0%} of {PEAK_TF})"
     src = torch.randn(1 << (22 if dev == "cpu" else 29), device=dev, dtype=dt)
@@ -293,7 +293,7 @@ def kernel_tables(cfg, micro: int, seq: int, dev: str, sync, deadline: float):
     c = cfg.model
     tokens = micro * seq
     dtname = "fp32" if dev == "cpu" else "bf16"
-    yield f"device ceilings, random data ({dev}): matmul best of 10, copy median of 5"
+    yield f"device ceilings, random data ({dev}): matmul best of 3 timings of 10, copy median of 5"
     yield from ceiling_rows(dev, sync)
     yield ""
     yield (f"weight matmuls of one micro-batch ({tokens} tokens), {dtname}, forward + backward, "

@@ -381,6 +381,13 @@ def test_gpu_peaks_by_part_and_fp32_precision():
     assert gpu_peak("NVIDIA H100 PCIe", "bf16") == 756e12
     assert gpu_peak("NVIDIA H200 NVL", "bf16") == 835e12
     assert gpu_peak("NVIDIA GeForce RTX 3090", "bf16") is None
+    assert gpu_peak("NVIDIA H800 PCIe", "bf16") == 756e12
+    assert gpu_peak("NVIDIA H200", "bf16") == 989e12 and gpu_peak("NVIDIA H20", "bf16") == 148e12
+    assert (
+        gpu_peak("NVIDIA GB200", "bf16") == 2500e12 and gpu_peak("NVIDIA B200", "bf16") == 2250e12
+    )
+    assert gpu_peak("AMD Instinct MI300X", "bf16") == 1307.4e12
+    assert gpu_peak("NVIDIA B200", "fp32") is None  # not in the table: measured
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")

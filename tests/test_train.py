@@ -42,6 +42,9 @@ def test_single_process_run_outputs(reference):
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "moe/maxvio_mean", "memory_gib"):
         assert key in m[0]
     assert "val_loss" in m[9] and "val_loss" in m[-1]
+    # expert metrics name the decoder layer (debug.yaml's layer 0 is dense), no MTP loss without MTP
+    assert "moe/layer1/max_over_mean" in m[0] and "moe/layer2/bias_range" in m[0]
+    assert not any(k.startswith("moe/layer0/") for k in m[0]) and "mtp_loss" not in m[0]
     # evaluation and saving are timed apart from the step (tokens/s is the step's alone)
     assert m[9]["eval_s"] > 0 and "eval_s" not in m[8]
     assert m[10]["save_s"] > 0 and "save_s" not in m[9]
@@ -187,6 +190,22 @@ def test_resume_refuses_another_tokenizer_and_names_changed_data(tmp_path):
     assert _check_resumed_config(yaml.safe_dump(old), cfg) == []
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+@pytest.mark.parametrize("warmup", [0, 10])
+def test_lr_schedules_peak_once_and_reach_the_floor(schedule, warmup):
+    from llmtrain.train.schedule import lr_at
+
+    t = load_config(ROOT / "configs" / "debug.yaml", [f"train.schedule={schedule}",
+        "train.max_steps=100", f"train.warmup_steps={warmup}", "train.min_lr_ratio=0.1"]).train  # fmt: skip
+    lrs = [lr_at(t, s) for s in range(t.max_steps)]
+    top = max(warmup - 1, 0)
+    assert lrs[top] == t.lr and all(x < t.lr for x in lrs[:top])  # warmup reaches lr at its end
+    assert all(b <= a for a, b in zip(lrs[top:], lrs[top + 1 :]))  # then never rises
+    assert lrs[-1] == pytest.approx(0.1 * t.lr, rel=1e-12)  # the floor at the last step
+    if schedule == "cosine":  # decay starts right after the peak (not a second step at lr)
+        assert lrs[top + 1] < t.lr and lrs[-2] > lrs[-1]
+
+
 def test_sample_stream_positions():
     from llmtrain.data.loader import global_sample_indices
 
@@ -204,7 +223,10 @@ def test_sigkill_then_resume_is_exact(reference, cache, tmp_path):
     kill_when_step(run, 1, over, step=12)
     latest = (run / "checkpoints" / "latest").read_text()
     assert latest in ("step_00000010", "step_00000015")
-    run_train(run, 1, over + ["resume=auto"])
+    with open(run / "metrics.jsonl", "a") as f:  # a line the kill cut short must not stop resume
+        f.write('{"step": 13, "loss": 6.')
+    p = run_train(run, 1, over + ["resume=auto"])
+    assert "dropped 1 line(s) that are not a metrics record" in p.stderr, p.stderr[-2000:]
     got, ref = metrics(run), metrics(reference)
     assert [r["step"] for r in got] == list(
         range(1, STEPS + 1)
@@ -351,6 +373,7 @@ def test_nonfinite_steps_are_skipped_then_stop(cache, tmp_path):
         m[3]["step"] == 4 and m[3]["skipped"] and m[3]["skipped_total"] == 1 and not m[4]["skipped"]
     )
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m if not r["skipped"])
+    assert m[3]["loss"] is None and m[3]["grad_norm"] is None  # strict JSON: null, not NaN
     stop = tmp_path / "stop"
     p = run_train(stop, 1, base(cache, "train.max_steps=10", "train.save_every=2", "train.max_nonfinite=2"),
                   check=False, LLMTRAIN_FAULT_NAN_STEPS="5,6")  # fmt: skip
@@ -472,7 +495,7 @@ def test_two_node_launch_on_localhost(reference, cache, tmp_path):
 @pytest.mark.parametrize(
     "extra",
     [["train.dtype=bf16", "train.activation_checkpointing=true", "data.doc_mask=true",
-      "train.profile_step=2", "train.log_every=3"],
+      "train.profile_step=2", "train.log_every=3", "model.mtp_depth=1"],
      pytest.param(["train.offload_optimizer=true"], marks=pytest.mark.slow)],  # compiles CPU Adam
     ids=["bf16-ckpt-docmask", "offload"],
 )  # fmt: skip
@@ -485,6 +508,9 @@ def test_option_smoke(cache, tmp_path, extra):
     # log_every=3 logs step 3 alone, and the profiled step 2 beside it
     assert [r["step"] for r in m] == ([2, 3] if profiled else [1, 2, 3]), p.stderr[-2000:]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
+    if "model.mtp_depth=1" in extra:  # MTP's own loss is logged, its MoE block named by depth
+        assert all(0 < r["mtp_loss"] < 2 * r["loss"] for r in m), m
+        assert "moe/mtp1/max_over_mean" in m[0]
     if profiled:
         assert [r.get("profiled", False) for r in m] == [True, False]
         text = (tmp_path / "run" / "profile" / "step_2_rank0.txt").read_text()

@@ -56,8 +56,14 @@ def run_train(run_dir: Path, nproc: int = 1, overrides=(), check: bool = True, *
     return p
 
 
+def _not_json(name: str):
+    raise ValueError(f"metrics.jsonl holds {name}, which is not JSON")
+
+
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    """The records, parsed strictly: a NaN or Infinity written bare fails the test."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    return [json.loads(l, parse_constant=_not_json) for l in text.splitlines() if l]
 
 
 def kill_when_step(run_dir: Path, nproc: int, overrides, step: int) -> None:

@@ -197,6 +197,19 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    def moe_layer_names(self) -> list[str]:
+        """Names for `moe_layers()`, in its order: `layer{i}` by decoder index (dense layers
+        count), `mtp{k}` for MTP depth k (from 1, as in DeepSeek-V3), so a metric names the layer a user would look up."""
+        names = []
+        for name, m in self.named_modules():
+            if isinstance(m, MoE):
+                parts = name.split(".")
+                if "mtp" in parts:
+                    names.append(f"mtp{int(parts[parts.index('mtp') + 1]) + 1}")
+                else:
+                    names.append(f"layer{parts[parts.index('layers') + 1]}")
+        return names
+
     def _check_ids(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """Host-synchronising checks for callers (evaluation, scripts); training's loader makes
         valid batches and skips them. The fused loss reads a label < 0 as a row to gather, so

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -104,6 +103,7 @@ def read_run_dir(path: Path) -> Runs:
     last step of the schedule is the finished run, with its validation loss when logged."""
     from llmtrain.accounting import count
     from llmtrain.config import load_config
+    from llmtrain.train.metrics import read_records
 
     cfg_file, met = path / "config.yaml", path / "metrics.jsonl"
     if not cfg_file.is_file() or not met.is_file():
@@ -111,7 +111,7 @@ def read_run_dir(path: Path) -> Runs:
     cfg = load_config(cfg_file)
     c = count(cfg.model, seq_len=cfg.train.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    recs = [json.loads(l) for l in met.read_text().splitlines() if l.strip()]
+    recs = read_records(met)
     if not recs:
         raise ScalingError(f"{path}: metrics.jsonl is empty (the run never logged a step)")
     N, D, C, L, F = [], [], [], [], []
@@ -119,6 +119,7 @@ def read_run_dir(path: Path) -> Runs:
         d = r["step"] * tokens_per_step
         final = r["step"] == cfg.train.max_steps
         loss = r.get("val_loss", r["loss"]) if final else r["loss"]
+        loss = float("nan") if loss is None else loss  # a skipped step's (written null)
         (
             N.append(c.active_params),
             D.append(d),

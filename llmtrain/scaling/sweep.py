@@ -125,6 +125,8 @@ def run(
 
 def collect(sweep: Path, out_csv: Path | None = None) -> Path:
     """Final losses of finished runs to CSV: N (active params), D, C, loss, budget, run."""
+    from llmtrain.train.metrics import read_records
+
     m = _manifest(sweep)
     rows, missing = [], []
     for r in m["runs"]:
@@ -132,9 +134,9 @@ def collect(sweep: Path, out_csv: Path | None = None) -> Path:
         if not is_finished(rd, r["steps"]):
             missing.append(r["name"])
             continue
-        recs = [json.loads(l) for l in (rd / "metrics.jsonl").read_text().splitlines() if l.strip()]
-        last = recs[-1]
+        last = read_records(rd / "metrics.jsonl")[-1]
         loss = last.get("val_loss", last["loss"])
+        loss = float("nan") if loss is None else loss  # a skipped last step's (written null)
         rows.append({"N": r["active_params"], "D": r["tokens"], "C": r["flops_per_token"] * r["tokens"],
                      "loss": loss, "budget": r["budget"], "run": r["name"]})  # fmt: skip
         moe_cols = ("active_params", "total_params", "experts", "granularity", "top_k")

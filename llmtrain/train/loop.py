@@ -240,7 +240,7 @@ def _train(
     counts = count(cfg.model, seq_len=t.seq_len)
     _restore(run, ck_dir, counts.flops_per_token)
 
-    peak = t.peak_flops or peak_flops_per_device(device, t.dtype)
+    peak = t.peak_flops or peak_flops_per_device(device, t.dtype, warn=rank == 0)
     metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world,
                             layout.ep_size)  # fmt: skip
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
@@ -459,7 +459,7 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
     )  # fmt: skip
     # Sums stay on the device and inputs are copied without waiting: nothing in the micro-batch
     # loop makes the host wait for the GPU, so it prepares the next micro-batch meanwhile.
-    stats = torch.zeros(2, dtype=torch.float64, device=device)  # lm loss, aux loss
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # lm loss, aux loss, MTP loss
     engine.set_lr(lr)
     graphs = cfg.train.compile and uses_cuda_graphs(cfg.train.compile_mode)
     for mb in micro:
@@ -477,7 +477,8 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         engine.backward(loss)
         engine.step()
         lm = out.lm_loss.detach().double() * (float("nan") if step + 1 in nan_steps else 1.0)
-        stats += torch.stack([lm, out.aux_loss.detach().double()])
+        mtp = out.mtp_loss.detach().double() if out.mtp_loss is not None else lm.new_zeros(())
+        stats += torch.stack([lm, out.aux_loss.detach().double(), mtp])
     comm.all_reduce(stats)
     gnorm = engine.grad_norm()
     bad = not health.step_ok(float(stats[0]), gnorm)  # also DeepSpeed's -1 / None norms
@@ -514,6 +515,12 @@ def _step(run: _Run, step: int, nan_steps: set[int]) -> tuple[dict, torch.Tensor
         "step": step + 1,
         "loss": float(stats[0]) / n_micro if not bad else float("nan"),
         "aux_loss": float(stats[1]) / n_micro if not bad else float("nan"),
+        # mean over the MTP depths, before mtp_loss_weight (DeepSeek-V3's L_MTP / λ)
+        **(
+            {"mtp_loss": float(stats[2]) / n_micro if not bad else float("nan")}
+            if cfg.model.mtp_depth
+            else {}
+        ),
         "lr": lr,
         "grad_norm": gnorm,
         "skipped": bad,

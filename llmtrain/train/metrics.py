@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import time
 from pathlib import Path
@@ -17,22 +18,36 @@ import torch
 logger = logging.getLogger(__name__)
 
 # dense peaks per GPU for MFU (TFLOP/s x 1e12): bf16 tensor cores, TF32 tensor cores, and fp32
-# without them (torch's default float32_matmul_precision "highest"). First match wins, so the
-# PCIe / NVL parts come before the SXM name they contain; other devices measure a matmul ceiling
+# without them (torch's default float32_matmul_precision "highest"); None: not in the table, so
+# measured. Data-sheet figures halved where the sheet quotes sparsity. First match wins, so the
+# PCIe / NVL parts come before the SXM name they contain (GB200 before B200)
 _GPU_PEAKS = (  # (name fragment, bf16, tf32, fp32)
     ("H100 PCIe", 756e12, 378e12, 51e12),
     ("H100 NVL", 835e12, 418e12, 60e12),
     ("H200 NVL", 835e12, 418e12, 60e12),
+    ("H800 PCIe", 756e12, 378e12, 51e12),
     ("H100", 989e12, 494.5e12, 67e12),
     ("H200", 989e12, 494.5e12, 67e12),
     ("H800", 989e12, 494.5e12, 67e12),
+    ("H20", 148e12, 74e12, None),
+    ("GB200", 2500e12, 1250e12, None),
+    ("B200", 2250e12, 1125e12, None),
     ("A100", 312e12, 156e12, 19.5e12),
     ("A800", 312e12, 156e12, 19.5e12),
     ("L40S", 362e12, 183e12, 91.6e12),
+    ("MI300X", 1307.4e12, None, None),
+    ("MI325X", 1307.4e12, None, None),
 )
 
 
-def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+def measure_matmul_ceiling(
+    device, dtype: torch.dtype, n: int | None = None, reps: int | None = None
+) -> float:
+    """FLOP/s of the best of 3 timings of `reps` back-to-back n³ products (one device sync per
+    timing, so launch latency is amortised). A GPU: 10 of 8192³ (a 1024³ product is too short
+    to time its throughput there); a CPU: 3 of 1024³ (every run start pays for it)."""
+    cpu = device.type == "cpu"
+    n, reps = n or (1024 if cpu else 8192), reps or (3 if cpu else 10)
     # a generator of its own: the run's random streams (restored on resume) must not move
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
@@ -40,20 +55,21 @@ def measure_matmul_ceiling(device, dtype: torch.dtype, n: int = 1024, reps: int 
     for _ in range(3):
         a @ b
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(3):
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         t = time.perf_counter()
-        a @ b
+        for _ in range(reps):
+            a @ b
         if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t) / reps)
     return 2 * n**3 / best
 
 
 def gpu_peak(name: str, dtype: str) -> float | None:
     """The dense peak of the GPU called `name` for `dtype` (fp32: TF32's only where torch lets
-    fp32 matmuls use it), None for a GPU not in the table."""
+    fp32 matmuls use it), None for a GPU or precision not in the table."""
     for frag, bf16, tf32, fp32 in _GPU_PEAKS:
         if frag in name:
             if dtype != "fp32":
@@ -62,12 +78,23 @@ def gpu_peak(name: str, dtype: str) -> float | None:
     return None
 
 
-def peak_flops_per_device(device, dtype: str) -> float:
+def peak_flops_per_device(device, dtype: str, warn: bool = False) -> float:
+    """The MFU denominator: the GPU's data-sheet dense peak, else a measured matmul ceiling
+    (below the peak, so MFU reads high: `warn` says so and how to set the peak)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
-        peak = gpu_peak(torch.cuda.get_device_name(device), dtype)
+        peak = gpu_peak(name, dtype)
         if peak is not None:
             return peak
-    return measure_matmul_ceiling(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    rate = measure_matmul_ceiling(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    if warn and device.type == "cuda":
+        logger.warning(
+            "%s (%s) is not in llmtrain's table of dense peaks: MFU is against a measured matmul "
+            "ceiling of %.0f TFLOP/s, below the data-sheet peak, so it reads high; set "
+            "train.peak_flops=<dense peak FLOP/s per device> for MFU as published",
+            name, dtype, rate / 1e12,
+        )  # fmt: skip
+    return rate
 
 
 def memory_bytes(device) -> int:
@@ -86,7 +113,10 @@ def expert_stats(model, loads_LE: torch.Tensor | None = None, ep_size: int = 1) 
     ep_size it is their average, and one replica's hot rank shows diluted."""
     out = {}
     vios, ratios, ranks = [], [], []
-    for i, m in enumerate(model.moe_layers()):
+    layers = model.moe_layers()
+    names = model.moe_layer_names() if hasattr(model, "moe_layer_names") else None
+    names = names or [f"layer{i}" for i in range(len(layers))]
+    for i, m in enumerate(layers):
         c = (loads_LE[i] if loads_LE is not None else m.last_counts).double().cpu()
         mean = c.mean().clamp(min=1e-9)
         ratios.append(float(c.max() / mean))
@@ -95,8 +125,8 @@ def expert_stats(model, loads_LE: torch.Tensor | None = None, ep_size: int = 1) 
             rows = c.view(ep_size, -1).sum(1)
             ranks.append(float(rows.max() / rows.mean().clamp(min=1e-9)))
         b = m.gate.e_score_correction_bias
-        out[f"moe/layer{i}/max_over_mean"] = ratios[-1]
-        out[f"moe/layer{i}/bias_range"] = float(b.max() - b.min())
+        out[f"moe/{names[i]}/max_over_mean"] = ratios[-1]
+        out[f"moe/{names[i]}/bias_range"] = float(b.max() - b.min())
     if vios:
         out["moe/maxvio_mean"] = sum(vios) / len(vios)
         out["moe/maxvio_max"] = max(vios)
@@ -104,6 +134,31 @@ def expert_stats(model, loads_LE: torch.Tensor | None = None, ep_size: int = 1) 
     if ranks:
         out["moe/ep_rank_max_over_mean"] = max(ranks)
     return out
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl. A line that is not one (cut off by a crash, a full disk or
+    a lost node) is dropped with a warning: it must not stop a resume or a scaling fit. A skipped
+    step's non-finite values read back as None (written null: strict JSON)."""
+    out, torn = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+        else:
+            torn += 1
+    if torn:
+        logger.warning("%s: dropped %d line(s) that are not a metrics record", path, torn)
+    return out
+
+
+def _json_value(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 class MetricsLogger:
@@ -128,12 +183,8 @@ class MetricsLogger:
         if rank != 0:
             return
         if start_step and self.path.exists():  # drop lines past the checkpoint we resumed from
-            keep = [
-                l
-                for l in self.path.read_text().splitlines()
-                if l and json.loads(l)["step"] <= start_step
-            ]
-            self.path.write_text("".join(k + "\n" for k in keep))
+            keep = [r for r in read_records(self.path) if r["step"] <= start_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         elif not start_step and self.path.exists():
             self.path.unlink()
         self.file = open(self.path, "a")
@@ -168,11 +219,13 @@ class MetricsLogger:
         record.update(expert_stats(model, loads_LE, self.ep_size))
         if self.rank != 0:
             return
-        self.file.write(json.dumps(record) + "\n")
+        # strict JSON: a skipped step's NaN loss is written null (jq and most parsers refuse NaN)
+        clean = {k: _json_value(v) for k, v in record.items()}
+        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self.tb.add_scalar(k, v, record["step"])
         if self.bar is not None:
             post = {

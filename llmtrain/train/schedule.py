@@ -10,7 +10,8 @@ from llmtrain.config import TrainConfig
 def lr_at(t: TrainConfig, step: int) -> float:
     """LR for optimizer step `step` (0-based): linear warmup, then cosine, WSD or inverse sqrt.
 
-    cosine: decays to min_lr_ratio·lr at max_steps. wsd: constant, then the last
+    cosine: from the step after warmup's last (which reaches lr), decays to min_lr_ratio·lr at
+    the last step (max_steps − 1), as wsd's decay does. wsd: constant, then the last
     decay_fraction of the steps decay linearly to min_lr_ratio·lr. inv_sqrt: lr·sqrt(w/step)
     after warmup w (Vaswani et al.), floored at min_lr_ratio·lr.
     """
@@ -19,8 +20,8 @@ def lr_at(t: TrainConfig, step: int) -> float:
     if w and step < w:
         return peak * (step + 1) / w
     if t.schedule == "cosine":
-        span = max(1, t.max_steps - w)
-        prog = min(1.0, (step - w) / span)
+        top = w - 1 if w else 0  # the step at peak: warmup's last, or the first
+        prog = min(1.0, (step - top) / max(1, t.max_steps - 1 - top))
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * prog))
     if t.schedule == "wsd":
         decay_steps = max(1, int(round(t.decay_fraction * t.max_steps)))
