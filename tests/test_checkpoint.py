@@ -414,3 +414,57 @@ def test_a_killed_save_is_not_a_checkpoint(tmp_path):
     (ck / "state.json").write_text("{}")
     with pytest.raises(CheckpointError, match="incomplete save"):
         resolve_checkpoint(ck)
+
+
+def _fake_checkpoint(ckdir: Path, step: int) -> Path:
+    """A directory that passes the completeness checks (state.json, tensors.json, .metadata)."""
+    d = ckdir / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    for name in ("state.json", fmt.INDEX_FILE, ".metadata"):
+        (d / name).write_text(json.dumps({"step": step}))
+    return d
+
+
+def test_latest_falls_forward_to_a_complete_save_and_damage_is_named(tmp_path, caplog):
+    """A save killed between its rename and `latest` left a complete step_N: resume takes it (a
+    save interval is not lost, the run does not restart at 0); a damaged pointer or small file
+    is one line naming it and the way out."""
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    _fake_checkpoint(ck, 5)
+    (ck / "step_00000009.tmp").mkdir()  # a save in progress is never taken
+    with caplog.at_level("WARNING"):
+        assert fmt.latest_checkpoint(run) == ck / "step_00000005"  # no `latest` written yet
+    assert "is missing, but step_00000005 is complete" in caplog.text
+    (ck / "latest").write_text("step_00000005")
+    _fake_checkpoint(ck, 10)
+    assert fmt.latest_checkpoint(run) == ck / "step_00000010"  # newer than `latest`
+    assert fmt.resolve_checkpoint(run) == ck / "step_00000010"
+    (ck / "latest").write_text("step_00000010")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert fmt.latest_checkpoint(run) == ck / "step_00000010"
+    assert not caplog.text
+    (ck / "latest").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match=r"latest is unreadable .*resume=.*step_00000010"):
+        fmt.latest_checkpoint(run)
+    (ck / "latest").write_text("step_00000007")
+    with pytest.raises(CheckpointError, match="names step_00000007, which is incomplete"):
+        fmt.latest_checkpoint(run)
+    (ck / "step_00000010" / "state.json").write_text('{"step": 1')
+    with pytest.raises(CheckpointError, match=r"state.json is missing or damaged .*earlier"):
+        fmt.read_json(ck / "step_00000010" / "state.json")
+
+
+def test_keep_last_prunes_by_step_number_up_to_the_save(tmp_path):
+    """Pruning counts step_N by number up to the step just saved: a user's step_best and a later
+    step_N (which a rollback sets aside first) are never taken for older checkpoints."""
+    from llmtrain.train.checkpointing import Checkpointer
+
+    run = tmp_path / "run"
+    for s in (1, 2, 3, 40, 500):
+        _fake_checkpoint(run / "checkpoints", s)
+    (run / "checkpoints" / "step_best").mkdir()
+    Checkpointer(run, None, 0, keep_last=2)._prune(40)
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == ["step_00000003", "step_00000040", "step_00000500", "step_best"]

@@ -1,6 +1,7 @@
 """The trainer end to end: layouts agree, resume is exact, bad input stops early and clearly."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -245,6 +246,24 @@ def _same_curve(ref, got, tol=1e-6):
         assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
 
 
+def test_rollback_sets_the_abandoned_checkpoints_aside(reference, cache, tmp_path):
+    """resume= an earlier checkpoint of the run (a rollback after a loss spike): the later
+    checkpoints move to checkpoints/abandoned-*/ and `latest` names the resumed one, so the new
+    saves are kept (keep_last once pruned them for the abandoned step_20) and resume=auto never
+    returns to the abandoned run; a user's step_best is left alone."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    shutil.copytree(reference, run)
+    (ck / "step_best").mkdir()
+    p = run_train(run, 1, base(cache, "train.save_every=5", "train.keep_last=2",
+                               f"resume={ck / 'step_00000010'}"))  # fmt: skip
+    assert "later checkpoints (step_00000020) are moved to" in p.stderr, p.stderr[-2000:]
+    (aside,) = ck.glob("abandoned-*")
+    assert [d.name for d in aside.iterdir()] == ["step_00000020"]
+    assert sorted(d.name for d in ck.glob("step_*")) == ["step_00000015", "step_00000020", "step_best"]
+    assert (ck / "latest").read_text() == "step_00000020"
+    _same_curve(metrics(reference), metrics(run))
+
+
 @pytest.mark.slow
 def test_sigkill_during_saves_resumes_to_the_same_curve(reference, cache, tmp_path):
     """Runs killed at several points inside a save; each resume=auto continues from the last
@@ -258,8 +277,11 @@ def test_sigkill_during_saves_resumes_to_the_same_curve(reference, cache, tmp_pa
     p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "latest@15"})
     assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000010"
     assert not (ck / "step_00000010.tmp").exists() and (ck / "step_00000015").is_dir()
-    p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "write@15"})
-    assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000010"
+    # step 15 was renamed into place, complete, before `latest` moved: resume takes it
+    p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "write@20"})
+    assert p.returncode != 0 and "step_00000015 is complete and newer" in p.stderr
+    assert "resumed from" in p.stderr and "step_00000015 at step 15" in p.stderr
+    assert (ck / "step_00000020.tmp").is_dir() and not (ck / "step_00000020").exists()
     p = run_train(run, 1, [*over, "resume=auto"], check=False, **{kill: "prune@20"})
     assert p.returncode != 0 and (ck / "latest").read_text() == "step_00000020"
     run_train(run, 1, [*over, "resume=auto"])

@@ -32,8 +32,10 @@ import dataclasses
 import errno
 import io
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -69,6 +71,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from llmtrain.errors import LlmtrainError
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "llmtrain-dcp-2"
 READABLE_FORMATS = ("llmtrain-dcp-1", FORMAT)
@@ -734,7 +738,10 @@ def _unwrapped(fn, path: Path, *args, saving: bool = False, **kwargs):
         ours = next((x for x in errs if isinstance(x, CheckpointError)), None)
         if ours is not None:
             raise CheckpointError(str(ours)) from None
-        raise CheckpointError(f"checkpoint {path}: {errs[0]!r}") from None
+        if saving:
+            raise CheckpointError(f"checkpoint {path}: {errs[0]!r}") from None
+        raise CheckpointError(f"checkpoint {path} could not be read ({errs[0]!r}): a file of it "
+                              f"is damaged or unreadable; {RECOVER}") from None  # fmt: skip
 
 
 # ---------------------------------------------------------------- index, run state, files
@@ -772,15 +779,70 @@ def is_legacy(path: Path) -> bool:
     ).is_file()
 
 
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+RECOVER = "resume from an earlier checkpoint (resume=RUN/checkpoints/step_N)"
+
+
+def checkpoint_step(d: Path) -> int | None:
+    """N of a checkpoint directory named step_N (8+ digits), None for any other name (a save in
+    progress `step_N.tmp`, a user's `step_best`)."""
+    m = _STEP_DIR.fullmatch(Path(d).name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(d: Path) -> bool:
+    return (Path(d) / "state.json").is_file() and (is_sharded(d) or is_legacy(d))
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete RUN/checkpoints/step_N, in step order. A save in progress
+    (step_N.tmp: renamed when complete) and other names are not listed."""
+    out = []
+    ckdir = Path(run_dir) / "checkpoints"
+    for d in ckdir.glob("step_*") if ckdir.is_dir() else ():
+        n = checkpoint_step(d)
+        if n is not None and d.is_dir() and is_complete(d):
+            out.append((n, d))
+    return sorted(out)
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's small JSON file; a missing or damaged one is one line naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{path} is missing or damaged ({type(e).__name__}: {e}); "
+                              f"{RECOVER}") from None  # fmt: skip
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `RUN/checkpoints/latest` names (None before the first save)."""
-    ptr = Path(run_dir) / "checkpoints" / "latest"
-    if not ptr.is_file():
-        return None
-    d = ptr.parent / ptr.read_text().strip()
-    if not (d / "state.json").is_file() or not (is_sharded(d) or is_legacy(d)):
-        raise CheckpointError(f"{ptr} names {d.name}, which is incomplete or missing")
-    return d
+    """The checkpoint to resume RUN from: the one `RUN/checkpoints/latest` names (None before
+    the first save). A complete step_N newer than it, or with no `latest` at all, is a save
+    killed between its rename and `latest`'s update: that checkpoint is complete, so it is
+    taken (with a warning) rather than losing a save interval or starting over."""
+    ckdir = Path(run_dir) / "checkpoints"
+    ptr = ckdir / "latest"
+    done = complete_checkpoints(run_dir)
+    named = None
+    if ptr.is_file():
+        try:
+            name = ptr.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            name, why = None, f"is unreadable ({type(e).__name__})"
+        else:
+            why = f"names {name}, which is incomplete or missing"
+        if not name or "/" in name or not is_complete(ckdir / name):
+            newest = f" (the newest complete: resume={done[-1][1]})" if done else ""
+            raise CheckpointError(f"{ptr} {why or 'is empty'}; {RECOVER}{newest}")
+        named = ckdir / name
+    if done and (named is None or (checkpoint_step(named) or -1) < done[-1][0]):
+        logger.warning(
+            "%s %s, but %s is complete and newer (a save stopped before it updated `latest`): "
+            "resuming from it", ptr, f"names {named.name}" if named else "is missing",
+            done[-1][1].name,
+        )  # fmt: skip
+        return done[-1][1]
+    return named
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

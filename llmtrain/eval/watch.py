@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtrain.checkpoint.format import CheckpointError, is_legacy, is_sharded
+from llmtrain.checkpoint.format import CheckpointError, complete_checkpoints
 from llmtrain.eval import EvalError, check_eval_args, flat_metrics, run_eval
 from llmtrain.export import ExportError
 
@@ -49,21 +49,6 @@ RESULTS_FILE = "eval_watch.jsonl"
 class WatchResult:
     rows: list[dict] = field(default_factory=list)  # what this call appended
     finished: bool = False  # the run's last saved step (or until_step) was scored
-
-
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every complete checkpoint under RUN/checkpoints, in step order. A save in
-    progress (step_N.tmp, or no state.json yet) is not listed."""
-    out = []
-    for d in (Path(run_dir) / "checkpoints").glob("step_*"):
-        if d.name.endswith(".tmp") or not d.is_dir():  # .tmp: renamed to step_N when complete
-            continue
-        try:
-            if is_sharded(d) or is_legacy(d):
-                out.append((int(json.loads((d / "state.json").read_text())["step"]), d))
-        except (OSError, ValueError, KeyError):  # not written yet, or being removed
-            continue
-    return sorted(out)
 
 
 def last_saved_step(ck: Path, until: int | None = None) -> int | None:

@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,35 @@ class Checkpointer:
 
     @staticmethod
     def read_state(ck: Path) -> dict:
-        return json.loads((ck / "state.json").read_text())
+        return fmt.read_json(ck / "state.json")
+
+    def set_aside_newer(self, ck: Path, step: int) -> list[Path]:
+        """Rank 0, once a resume from `ck` (at `step`) has restored: this run's checkpoints past
+        `step` belong to the trajectory being abandoned (a rollback after a loss spike). They
+        are moved to checkpoints/abandoned-UTC/ (not deleted: the user decides), and `latest`
+        names `ck`, so keep_last never prunes the new saves for them and resume=auto never
+        returns to the abandoned run."""
+        newer = [d for n, d in fmt.complete_checkpoints(self.run_dir) if n > step]
+        newer += [d for d in self.ckdir.glob("step_*") if d.is_dir() and d not in newer
+                  and (fmt.checkpoint_step(d) or -1) > step]  # fmt: skip
+        if not newer:
+            return []
+        dest = self.ckdir / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        dest.mkdir(exist_ok=True)
+        for d in newer:
+            d.rename(dest / d.name)
+        if ck.parent.resolve() == self.ckdir.resolve():
+            fmt.write_file(self.ckdir / "latest.tmp", ck.name)
+            os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
+        else:  # resumed from elsewhere: `latest` named a checkpoint moved aside
+            (self.ckdir / "latest").unlink(missing_ok=True)
+        fmt.fsync_dir(self.ckdir)
+        logger.warning(
+            "resumed from step %d: this run's later checkpoints (%s) are moved to %s; delete "
+            "that folder when you no longer need them", step,
+            ", ".join(sorted(d.name for d in newer)), dest,
+        )  # fmt: skip
+        return newer
 
     # ------------------------------------------------------------ placement
 
@@ -219,23 +248,37 @@ class Checkpointer:
                 fmt.write_file(tmp / "state.json", json.dumps(state, indent=1))
                 fmt.fsync_dir(tmp)
         guard.agree()  # in place of a barrier: every rank's files are on disk, or all raise
+        replaced = final.with_name(final.name + ".replaced.tmp")
         if self.rank == 0:
             with guard.attempt():
                 _fault("rename", step)
-                if final.exists():
-                    shutil.rmtree(final)
+                if final.exists():  # moved aside, not removed, until the new one is in place
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    final.rename(replaced)
                 tmp.rename(final)
                 fmt.fsync_dir(self.ckdir)
                 _fault("latest", step)
                 fmt.write_file(self.ckdir / "latest.tmp", final.name)
                 os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
                 fmt.fsync_dir(self.ckdir)
+        guard.agree()  # a late write error stops every rank, not only the writer
+        if self.rank == 0:  # the save is complete: what follows only tidies up
+            try:
                 fmt.fsync_dir(self.run_dir)
                 _fault("prune", step)
-                done = sorted(p for p in self.ckdir.glob("step_*") if not p.name.endswith(".tmp"))
-                for old in done[: -self.keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        guard.agree()  # a late write error stops every rank, not only the writer
+                shutil.rmtree(replaced, ignore_errors=True)
+                self._prune(step)
+            except OSError as e:
+                logger.warning("checkpoint %s is saved, but tidying up after it failed: %s",
+                               final, e)  # fmt: skip
+
+    def _prune(self, step: int) -> None:
+        """keep_last: remove the oldest step_N up to `step` (by number; other names untouched;
+        a checkpoint past `step`, which set_aside_newer leaves none of, is not pruned for)."""
+        done = sorted((n, d) for d in self.ckdir.glob("step_*")
+                      if (n := fmt.checkpoint_step(d)) is not None and n <= step)  # fmt: skip
+        for _, old in done[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------ restore
 
@@ -256,7 +299,7 @@ class Checkpointer:
         return state
 
     def _restore_sharded(self, ck: Path, moments: bool = True) -> None:
-        index = json.loads((ck / fmt.INDEX_FILE).read_text())["tensors"]
+        index = fmt.read_json(ck / fmt.INDEX_FILE)["tensors"]
         pieces, want = self._pieces(moments)
         missing = [n for n in want if n not in index]
         if missing:

@@ -231,7 +231,7 @@ def _train(
     if ck_dir is None and resume == "auto" and rank == 0:
         logger.warning("resume=auto: no checkpoint in %s yet; starting at step 0", run_dir)
     if ck_dir is not None:
-        state = json.loads((ck_dir / "state.json").read_text())
+        state = run.checkpointer.read_state(ck_dir)
         warnings = _check_resumed_config((ck_dir / "config.yaml").read_text(), cfg, state)
         for w in warnings + _check_resumed_data(ck_dir, state, run):
             if rank == 0:
@@ -239,6 +239,8 @@ def _train(
     _build(run, Engine, make_dispatcher, init_from=t.init_from if ck_dir is None else None)
     counts = count(cfg.model, seq_len=t.seq_len)
     _restore(run, ck_dir, counts.flops_per_token)
+    if ck_dir is not None and rank == 0:  # a rollback: the abandoned trajectory's saves aside
+        run.checkpointer.set_aside_newer(ck_dir, run.start_step)
 
     peak = t.peak_flops or peak_flops_per_device(device, t.dtype, warn=rank == 0)
     metrics = MetricsLogger(run_dir, rank, t, run.start_step, counts.flops_per_token, peak, world,
