@@ -446,6 +446,14 @@ class Config:
                     "recorded graph can replay; use train.compile_mode=default (or "
                     "max-autotune-no-cudagraphs) with expert parallelism"
                 )
+            if self.train.activation_checkpointing:
+                raise ConfigError(
+                    f"train.compile_mode={self.train.compile_mode} (CUDA graphs) with "
+                    "train.activation_checkpointing=true: torch's CUDA graph trees fail on the "
+                    "recomputation of a checkpointed compiled block (pytorch/pytorch#154306, open: "
+                    "'graph recording observed an input tensor deallocate ...'); use "
+                    "train.compile_mode=default with activation checkpointing, or drop it"
+                )
             if (self.train.deepspeed.get("bf16") or {}).get("immediate_grad_update") is False:
                 raise ConfigError(
                     f"train.compile_mode={self.train.compile_mode} (CUDA graphs) with DeepSpeed's "

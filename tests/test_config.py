@@ -86,6 +86,11 @@ def test_unknown_rope_type_and_cross_section_checks():
         load_config(None, [*graphs, "parallel.ep_size=2"])
     with pytest.raises(ConfigError, match="immediate_grad_update=false"):
         load_config(None, [*graphs, "train.deepspeed={bf16: {immediate_grad_update: false}}"])
+    with pytest.raises(ConfigError, match="activation_checkpointing=true: .*154306"):
+        load_config(None, [*graphs, "train.activation_checkpointing=true"])
+    load_config(
+        None, ["train.compile=true", "train.dtype=bf16", "train.activation_checkpointing=true"]
+    )
     load_config(
         None, ["train.compile=true", "train.dtype=bf16", "train.compile_mode=reduce-overhead"]
     )

@@ -259,7 +259,11 @@ def test_rollback_sets_the_abandoned_checkpoints_aside(reference, cache, tmp_pat
     assert "later checkpoints (step_00000020) are moved to" in p.stderr, p.stderr[-2000:]
     (aside,) = ck.glob("abandoned-*")
     assert [d.name for d in aside.iterdir()] == ["step_00000020"]
-    assert sorted(d.name for d in ck.glob("step_*")) == ["step_00000015", "step_00000020", "step_best"]
+    assert sorted(d.name for d in ck.glob("step_*")) == [
+        "step_00000015",
+        "step_00000020",
+        "step_best",
+    ]
     assert (ck / "latest").read_text() == "step_00000020"
     _same_curve(metrics(reference), metrics(run))
 

@@ -31,9 +31,25 @@ from llmtrain.model.layers import RMSNorm, apply_rope, softmax_scale
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
+_FLASH_OK: bool | None = None  # a plain global: compiled code reads it as a constant
+
+
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    """flash-attn importable here, with CUDA. Imported, not only found: a wheel built for
+    another torch (an ABI mismatch, common) fails at import, and must mean "use SDPA", not a
+    crash at the first forward. `compile_blocks` asks before compiling, so no trace imports."""
+    global _FLASH_OK
+    if _FLASH_OK is None:
+        _FLASH_OK = False
+        if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
+            try:
+                from flash_attn import flash_attn_func, flash_attn_varlen_func  # noqa: F401
+
+                _FLASH_OK = True
+            except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError ...
+                logger.warning("flash-attn is installed but does not import (%s: %s); using "
+                               "SDPA", type(e).__name__, e)  # fmt: skip
+    return _FLASH_OK
 
 
 _logged: set[str] = set()

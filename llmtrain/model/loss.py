@@ -93,7 +93,9 @@ class _FusedLinearCE(torch.autograd.Function):
                 g_CV = g_CV.to(h_ND.dtype)
             grad_h[s : s + chunk] = g_CV @ w_VD
             if grad_w is not None:
-                if h_CD.is_cuda and h_CD.dtype != torch.float32:  # tensor-core GEMM, fp32 sum
+                # tensor cores: each chunk's product rounded to bf16 once, summed over chunks in
+                # fp32, the total cast to the weight's dtype in backward all the same
+                if h_CD.is_cuda and h_CD.dtype != torch.float32:
                     grad_w.add_(g_CV.t() @ h_CD)
                 else:
                     grad_w.addmm_(g_CV.t().float(), h_CD.float())

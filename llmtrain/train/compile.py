@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from llmtrain.config import CUDA_GRAPH_MODES
-from llmtrain.model.attention import MLA, MLACache
+from llmtrain.model.attention import MLA, MLACache, flash_attn_available
 from llmtrain.model.layers import MLP
 from llmtrain.model.loss import LMHead
 from llmtrain.model.moe import MoE
@@ -76,6 +76,7 @@ def compile_blocks(model: nn.Module, expert_parallel: bool, mode: str = "default
             "their fused GEMMs, which read weights outside their modules' gathering hooks) need "
             "parallel.zero_stage=1 or 2"
         )
+    flash_attn_available()  # probed (an import) here, not inside a trace
     done = []
     for name, layer in model.named_modules():
         if not isinstance(layer, DecoderLayer):

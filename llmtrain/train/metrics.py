@@ -43,11 +43,13 @@ _GPU_PEAKS = (  # (name fragment, bf16, tf32, fp32)
 def measure_matmul_ceiling(
     device, dtype: torch.dtype, n: int | None = None, reps: int | None = None
 ) -> float:
-    """FLOP/s of the best of 3 timings of `reps` back-to-back n³ products (one device sync per
-    timing, so launch latency is amortised). A GPU: 10 of 8192³ (a 1024³ product is too short
-    to time its throughput there); a CPU: 3 of 1024³ (every run start pays for it)."""
+    """FLOP/s of the best timing of `reps` back-to-back n³ products (one device sync per timing,
+    so launch latency is amortised). A GPU: best of 3 timings of 10 8192³ products (a 1024³
+    product is too short to time its throughput there); a CPU: best of 10 single 1024³ ones
+    (a busy machine's slow moments are left out)."""
     cpu = device.type == "cpu"
-    n, reps = n or (1024 if cpu else 8192), reps or (3 if cpu else 10)
+    n, reps = n or (1024 if cpu else 8192), reps or (1 if cpu else 10)
+    trials = 10 if cpu else 3
     # a generator of its own: the run's random streams (restored on resume) must not move
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
@@ -55,7 +57,7 @@ def measure_matmul_ceiling(
     for _ in range(3):
         a @ b
     best = float("inf")
-    for _ in range(3):
+    for _ in range(trials):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
@@ -86,6 +88,13 @@ def peak_flops_per_device(device, dtype: str, warn: bool = False) -> float:
         peak = gpu_peak(name, dtype)
         if peak is not None:
             return peak
+    if device.type == "cpu":
+        # the faster of fp32 and bf16 products: a CPU without AVX512-BF16/AMX emulates bf16 at
+        # ~1% of its fp32 rate (a 1024³ product took 2.6 s on a 2-core EPYC), hence bf16 at 256³
+        rate = measure_matmul_ceiling(device, torch.float32)
+        if dtype == "bf16":
+            rate = max(rate, measure_matmul_ceiling(device, torch.bfloat16, n=256))
+        return rate
     rate = measure_matmul_ceiling(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
     if warn and device.type == "cuda":
         logger.warning(
