@@ -462,7 +462,7 @@ def test_validation_sample_spans_the_split(monkeypatch):
             return x, x
 
     class Out:
-        lm_loss = 1.0
+        lm_loss = torch.tensor(1.0)  # what the model returns: a 0-d tensor
 
     def engine(*a, **kw):
         return Out()

@@ -142,13 +142,15 @@ def _group_gone(pgid, timeout=120):
     raise AssertionError("ranks still running after the signal")
 
 
-def _interrupt(tmp_path, cache, nproc, sig):
+def _interrupt(tmp_path, cache, nproc, sig, while_running=None, extra=()):
     run = tmp_path / "run"
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
-        p = _start(run, nproc, base(cache), out)
+        p = _start(run, nproc, base(cache, *extra), out)
         try:
             _wait_for_steps(run, p, 3)
+            if while_running is not None:
+                while_running(run, p)
             if nproc == 1:
                 p.send_signal(sig)
             else:  # what a scheduler or Ctrl-C does: every process of the job gets it
@@ -247,9 +249,16 @@ def test_sigterm_saves_stops_and_resumes_exactly(reference, cache, tmp_path):
 
 
 def test_ctrl_c_saves_and_stops(cache, tmp_path):
-    run, rc, text = _interrupt(tmp_path, cache, 1, signal.SIGINT)
+    def second_trainer(run, p):  # a requeued job while this one runs: refused, nothing touched
+        q = run_train(run, 1, base(cache, "resume=auto"), check=False)
+        assert q.returncode == 2 and "is in use by another `llmtrain train`" in q.stderr, q.stderr
+        assert f"pid {p.pid}" in q.stderr and p.poll() is None
+
+    # long enough to outlast the second trainer's start
+    run, rc, text = _interrupt(tmp_path, cache, 1, signal.SIGINT, second_trainer,
+                               ["train.max_steps=400"])  # fmt: skip
     assert "KeyboardInterrupt" not in text
-    step = _check_stopped(run, rc, text, "SIGINT", 1)
+    step = _check_stopped(run, rc, text, "SIGINT", 1, max_steps=400)
     state = json.loads((run / "checkpoints" / f"step_{step:08d}" / "state.json").read_text())
     assert state["step"] == step and len(metrics(run)) == step  # resuming: as after SIGTERM
 

@@ -80,15 +80,19 @@ def test_two_ranks_match_one_process(reference, cache, tmp_path, layout):
 
 def _matches_one_process(ref: list[dict], got: list[dict]) -> None:
     assert len(got) == STEPS
+    off = []  # steps whose gradient norm is off by more than float rounding
     for a, b in zip(ref, got):
         assert _rel(a["loss"], b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
-        # gradient norm within 1e-3 (worst measured 2026-11-30: 2.4e-4, ZeRO-2 EP 2 with two
-        # micro-batches per rank, step 19; a near-tie in routing can move it, the loss barely)
-        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-3, (
-            a["step"],
-            a["grad_norm"],
-            b["grad_norm"],
-        )
+        # a near-tie in routing flips a token's expert on one layout and not the other: that
+        # step's gradient norm moves by ~1e-3, its loss barely (measured 2026-12-01 after the
+        # cosine fix: step 19 of 20 at 1.5e-3 for ZeRO-1 and 2.1e-3 for ZeRO-3 EP 2, every other
+        # step under 1e-4). A wrong gradient factor (a factor of 2 on expert gradients) moves
+        # every step by percents.
+        r = _rel(a["grad_norm"], b["grad_norm"])
+        assert r < 5e-3, (a["step"], a["grad_norm"], b["grad_norm"])
+        if r > 1e-4:
+            off.append((a["step"], r))
+    assert len(off) <= 2, off
     assert _rel(ref[-1]["val_loss"], got[-1]["val_loss"]) < 1e-4
 
 
@@ -424,6 +428,7 @@ def test_damaged_checkpoint_bytes_are_refused_on_resume(reference, cache, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     ck = run / "checkpoints" / "step_00000010"
+    shutil.rmtree(run / "checkpoints" / "step_00000020")  # else resume=auto takes the newer one
     (run / "checkpoints" / "latest").write_text("step_00000010")
     info = max(FileSystemReader(str(ck)).read_metadata().storage_data.values(),
                key=lambda i: i.length)  # fmt: skip

@@ -329,14 +329,14 @@ class Checkpointer:
             for name, p, full, off in self._params():
                 if name not in have:
                     raise CheckpointError(f"checkpoint {ck} lacks {name}")
+                if tuple(src.shape(name)) != tuple(full):  # on every rank, holding a part or not
+                    raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape(name))} != "
+                                          f"model {tuple(full)}")  # fmt: skip
                 frag = self.engine.local_fragment(p, moments)
                 if frag is None:
                     continue
                 start, views = frag
                 n = views["fp32"].numel()
-                if tuple(src.shape(name)) != tuple(full):
-                    raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape(name))} != "
-                                          f"model {tuple(full)}")  # fmt: skip
                 for key in ("fp32", *(MOMENTS if moments else ())):
                     t = src.elements(name, None if key == "fp32" else key, off + start, n)
                     views[key].copy_(t)

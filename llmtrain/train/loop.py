@@ -52,18 +52,73 @@ class AgreedStop(TrainingError):
     same_on_every_rank = True
 
 
-def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int) -> None:
+def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int):
+    """Check and make the run directory; returns rank 0's lock on it (held for the run).
+
+    One trainer per run directory: a requeued job started while the previous one still writes
+    its SIGTERM checkpoint would otherwise delete that save's files (stale `.tmp` cleanup) and
+    the two would prune each other's checkpoints. The lock is an flock on RUN/.lock (NFSv4 and
+    local filesystems; where the filesystem has no locks, e.g. Lustre without -o flock, the run
+    goes on unlocked). Rank 0 decides; every rank raises the same error."""
     has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-    if has_run and resume == "never":
-        if not overwrite:
-            raise TrainingError(
-                f"run directory {run_dir} already holds a run; pass resume=auto to continue it, "
-                "--overwrite to start over, or another --run-dir"
-            )
-        if rank == 0:
-            shutil.rmtree(run_dir)
+    if has_run and resume == "never" and not overwrite:
+        raise TrainingError(
+            f"run directory {run_dir} already holds a run; pass resume=auto to continue it, "
+            "--overwrite to start over, or another --run-dir"
+        )
+    lock, err = None, None
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = _lock_run_dir(run_dir)
+            if has_run and resume == "never":  # --overwrite: all but the lock we now hold
+                for p in run_dir.iterdir():
+                    if p.name != _LOCK:
+                        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        except TrainingError as e:
+            err = str(e)
+        except OSError as e:  # said on every rank (the others wait in the broadcast)
+            err = f"cannot write the run directory {run_dir}: {e.strerror or e}"
+    err = comm.broadcast_object(err)
+    if err is not None:
+        raise TrainingError(err)
+    return lock
+
+
+_LOCK = ".lock"
+
+
+def _lock_run_dir(run_dir: Path):
+    import errno
+    import fcntl
+    import socket
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / _LOCK, "a+")  # noqa: SIM115 (held for the run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        who = f.read().strip() or "another process"
+        f.close()
+        raise TrainingError(
+            f"{run_dir} is in use by another `llmtrain train` ({who}); wait until it stops (a "
+            "requeued job: the previous one may still be saving its checkpoint), or give "
+            "another --run-dir"
+        ) from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        logger.info(
+            "%s: this filesystem has no file locks; the run directory is not locked", run_dir
+        )
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(
+        f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    )
+    f.flush()
+    return f
 
 
 # what a run may change when it continues from published weights: training terms, not shapes or routing
@@ -168,15 +223,19 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     if resume not in ("never", "auto") and not Path(resume).is_dir():
         raise TrainingError(f"resume={resume!r}: use auto, never, or a checkpoint directory")
     rank, world, local_rank = init_distributed(cfg.parallel.backend)
+    lock = None
     try:
         device = device_for(local_rank)
-        _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite, rank)
+        lock = _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite,
+                                rank)  # fmt: skip
         comm.barrier()
         with StopOnSignal() as stop:
             return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
                           make_dispatcher, stop)  # fmt: skip
     finally:
         shutdown_distributed()
+        if lock is not None:  # after the last save (an async one included) is complete
+            lock.close()
 
 
 @dataclasses.dataclass
@@ -655,9 +714,8 @@ def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) 
             x, labels=y, attention_mask=DocumentMask.from_eos(x, eos) if doc_mask else None
         )
         if idx:  # every label is a real token: the batch mean times its rows is the batch sum
-            total += torch.tensor(
-                [float(out.lm_loss) * len(idx), len(idx)], dtype=torch.float64, device=device
-            )
+            total[0] += out.lm_loss.detach().double() * len(idx)  # on the device: no host sync
+            total[1] += len(idx)
     comm.all_reduce(total)
     engine.train(True)
     return float(total[0] / total[1])
