@@ -413,21 +413,23 @@ def test_stale_shm_workspaces_are_those_no_process_maps():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
     base = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_test{os.getpid()}_1_"
-    live, dead = base + "0", base + "1"
-    for path in (live, dead):
+    live, dead, new = base + "0", base + "1", base + "2"
+    for path in (live, dead, new):
         with open(path, "wb") as f:
             f.write(b"\0" * 4096)
+    for path in (live, dead):  # from a run started two minutes ago
+        os.utime(path, (time.time() - 120, time.time() - 120))
     f = open(live, "r+b")
     m = mmap.mmap(f.fileno(), 4096)  # a rank still running maps its workspace
-    try:
+    try:  # `new`: a rank starting now, between creating its workspace and mapping it
         stale = [str(p) for p in ops.stale_shm_workspaces()]
-        assert dead in stale and live not in stale
+        assert dead in stale and live not in stale and new not in stale
         assert ops.main(["--clean-shm"]) == 0
-        assert not os.path.exists(dead) and os.path.exists(live)
+        assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(new)
     finally:
         m.close()
         f.close()
-        for path in (live, dead):
+        for path in (live, dead, new):
             if os.path.exists(path):
                 os.unlink(path)
 

@@ -139,15 +139,24 @@ class OpBuildError(RuntimeError):
         )
 
 
-def stale_shm_workspaces() -> list[Path]:
+def stale_shm_workspaces(min_age_s: float = 60.0) -> list[Path]:
     """DeepSpeed CPU all-reduce workspaces in /dev/shm (this user's) that no process here maps:
     left by runs of DeepSpeed before `engine.release_shm_names`, or killed during start-up.
-    Each holds 64 MiB of RAM until removed."""
+    Each holds 64 MiB of RAM until removed. Only those older than `min_age_s`: a rank starting
+    now creates its workspace before it maps it, and its peers wait for the name forever if it
+    goes in between."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or not Path("/proc/self/maps").exists():
         return []
     prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
-    found = sorted(p for p in shm.glob(prefix + "*") if p.is_file())
+    now = time.time()
+    found = []
+    for p in sorted(shm.glob(prefix + "*")):
+        try:
+            if p.is_file() and now - p.stat().st_mtime >= min_age_s:
+                found.append(p)
+        except FileNotFoundError:  # removed since the listing
+            continue
     if not found:
         return []
     mapped: set[str] = set()
