@@ -445,6 +445,14 @@ def test_latest_falls_forward_to_a_complete_save_and_damage_is_named(tmp_path, c
     with caplog.at_level("WARNING"):
         assert fmt.latest_checkpoint(run) == ck / "step_00000010"
     assert not caplog.text
+    # pointed back by hand after step 10 was saved (a rollback): followed, not fallen past
+    (ck / "latest").write_text("step_00000005")
+    later = (ck / "latest").stat().st_mtime_ns
+    os.utime(ck / "step_00000010" / "state.json", ns=(later - 10**9, later - 10**9))
+    assert fmt.latest_checkpoint(run) == ck / "step_00000005"
+    (ck / "latest").write_text("")
+    with pytest.raises(CheckpointError, match=r"latest is empty; .*resume=.*step_00000010"):
+        fmt.latest_checkpoint(run)
     (ck / "latest").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CheckpointError, match=r"latest is unreadable .*resume=.*step_00000010"):
         fmt.latest_checkpoint(run)
@@ -454,6 +462,33 @@ def test_latest_falls_forward_to_a_complete_save_and_damage_is_named(tmp_path, c
     (ck / "step_00000010" / "state.json").write_text('{"step": 1')
     with pytest.raises(CheckpointError, match=r"state.json is missing or damaged .*earlier"):
         fmt.read_json(ck / "step_00000010" / "state.json")
+
+
+def test_a_resumed_checkpoint_becomes_latest_and_a_failed_save_puts_back_what_it_replaced(
+    tmp_path,
+):
+    """A fall-forward resume at max_steps saves nothing after it: `latest` is pointed at the
+    checkpoint right away (a sweep reads it to skip finished runs). A failed save that had moved
+    an earlier step_N aside puts it back, and no cleanup of `.tmp` saves takes it."""
+    from llmtrain.train import health
+    from llmtrain.train.checkpointing import Checkpointer
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    _fake_checkpoint(ck, 5)
+    (ck / "latest").write_text("step_00000005")
+    _fake_checkpoint(ck, 10)  # killed before `latest` moved
+    chk = Checkpointer(run, None, 0, keep_last=0)
+    assert fmt.latest_checkpoint(run) == ck / "step_00000010"
+    assert chk.set_aside_newer(ck / "step_00000010", 10) == []
+    assert (ck / "latest").read_text() == "step_00000010"
+    other = _fake_checkpoint(tmp_path / "other" / "checkpoints", 20)  # from another run: as it was
+    assert chk.set_aside_newer(other, 20) == [] and (ck / "latest").read_text() == "step_00000010"
+
+    (ck / "step_00000010").rename(ck / "step_00000010.replaced")  # the save of step 10 again,
+    (ck / "step_00000010.tmp").mkdir()  # failing before its new directory took the place
+    health.remove_partial(ck, 10)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000005", "step_00000010"]
 
 
 def test_keep_last_prunes_by_step_number_up_to_the_save(tmp_path):

@@ -450,3 +450,19 @@ def test_default_law_is_the_epoch_refit(capsys):
     a = json.loads(capsys.readouterr().out)
     assert a["law"]["name"] == "epoch"
     assert a["d_opt"] / a["n_opt"] == pytest.approx(18.4, rel=0.05)
+
+
+def test_sweep_sees_a_run_finished_by_a_save_killed_before_latest_moved(tmp_path):
+    """The last save completed but `latest` still names the one before: the run is finished
+    (resume=auto takes that save) and it is resumed, never restarted with --overwrite."""
+    from llmtrain.scaling import sweep
+
+    from .test_checkpoint import _fake_checkpoint
+
+    run = tmp_path / "run"
+    assert not sweep.is_finished(run, 10) and not sweep._has_checkpoint(run)
+    _fake_checkpoint(run / "checkpoints", 5)  # killed before its first `latest` was written
+    assert sweep._has_checkpoint(run) and not sweep.is_finished(run, 10)
+    (run / "checkpoints" / "latest").write_text("step_00000005")
+    _fake_checkpoint(run / "checkpoints", 10)
+    assert sweep.is_finished(run, 10)

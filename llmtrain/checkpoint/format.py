@@ -815,11 +815,20 @@ def read_json(path: Path) -> Any:
                               f"{RECOVER}") from None  # fmt: skip
 
 
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint to resume RUN from: the one `RUN/checkpoints/latest` names (None before
     the first save). A complete step_N newer than it, or with no `latest` at all, is a save
     killed between its rename and `latest`'s update: that checkpoint is complete, so it is
-    taken (with a warning) rather than losing a save interval or starting over."""
+    taken (with a warning) rather than losing a save interval or starting over. A `latest`
+    written after that save (its state.json) was pointed back by hand, a rollback: it is
+    followed (the resume then moves the later checkpoints aside)."""
     ckdir = Path(run_dir) / "checkpoints"
     ptr = ckdir / "latest"
     done = complete_checkpoints(run_dir)
@@ -830,12 +839,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         except (OSError, UnicodeDecodeError) as e:
             name, why = None, f"is unreadable ({type(e).__name__})"
         else:
-            why = f"names {name}, which is incomplete or missing"
+            why = f"names {name}, which is incomplete or missing" if name else "is empty"
         if not name or "/" in name or not is_complete(ckdir / name):
             newest = f" (the newest complete: resume={done[-1][1]})" if done else ""
-            raise CheckpointError(f"{ptr} {why or 'is empty'}; {RECOVER}{newest}")
+            raise CheckpointError(f"{ptr} {why}; {RECOVER}{newest}")
         named = ckdir / name
     if done and (named is None or (checkpoint_step(named) or -1) < done[-1][0]):
+        if named is not None and _mtime(done[-1][1] / "state.json") < _mtime(ptr):
+            logger.info("%s names %s, set after %s was saved: resuming from %s", ptr,
+                        named.name, done[-1][1].name, named.name)  # fmt: skip
+            return named
         logger.warning(
             "%s %s, but %s is complete and newer (a save stopped before it updated `latest`): "
             "resuming from it", ptr, f"names {named.name}" if named else "is missing",

@@ -81,8 +81,21 @@ def _manifest(sweep: Path) -> dict:
 
 
 def is_finished(run_dir: Path, max_steps: int) -> bool:
-    latest = run_dir / "checkpoints" / "latest"
-    return latest.is_file() and latest.read_text().strip() == f"step_{max_steps:08d}"
+    """The run's checkpoint to resume from is its last step's (what `resume=auto` would take:
+    `latest`, or a complete save newer than it that was killed before `latest` moved)."""
+    from llmtrain.checkpoint import format as fmt
+
+    try:
+        ck = fmt.latest_checkpoint(run_dir)
+    except fmt.CheckpointError:  # damaged: the trainer's resume says how to go on
+        return False
+    return ck is not None and fmt.checkpoint_step(ck) == max_steps
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from llmtrain.checkpoint import format as fmt
+
+    return (run_dir / "checkpoints" / "latest").is_file() or bool(fmt.complete_checkpoints(run_dir))
 
 
 def run(
@@ -97,7 +110,7 @@ def run(
         if is_finished(rd, r["steps"]):
             status[r["name"]] = "done (skipped)"
             continue
-        resume = ["resume=auto"] if (rd / "checkpoints" / "latest").is_file() else []
+        resume = ["resume=auto"] if _has_checkpoint(rd) else []  # else --overwrite below
         args = [str(cfg), "--run-dir", str(rd), *resume, *(extra or [])]
         if nproc > 1 or print_only:
             cmd = ["deepspeed", "--num_gpus", str(nproc), "--module", "llmtrain.train", *args]

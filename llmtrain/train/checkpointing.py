@@ -62,6 +62,13 @@ def _is_bias(name: str) -> bool:
     return name.endswith("e_score_correction_bias")
 
 
+def _names(ptr: Path, name: str) -> bool:
+    try:
+        return ptr.read_text().strip() == name
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 class Checkpointer:
     """Owns save and restore of one run: the model's pieces, the engine's optimizer fragments,
     RNG and run state. All ranks call every method."""
@@ -103,21 +110,28 @@ class Checkpointer:
         `step` belong to the trajectory being abandoned (a rollback after a loss spike). They
         are moved to checkpoints/abandoned-UTC/ (not deleted: the user decides), and `latest`
         names `ck`, so keep_last never prunes the new saves for them and resume=auto never
-        returns to the abandoned run."""
+        returns to the abandoned run. `latest` names `ck` also when nothing was newer (a save
+        killed before `latest` moved, resumed at max_steps: no save follows to fix it)."""
         newer = [d for n, d in fmt.complete_checkpoints(self.run_dir) if n > step]
         newer += [d for d in self.ckdir.glob("step_*") if d.is_dir() and d not in newer
                   and (fmt.checkpoint_step(d) or -1) > step]  # fmt: skip
+        here = ck.parent.resolve() == self.ckdir.resolve()
+        ptr = self.ckdir / "latest"
         if not newer:
+            if here and not _names(ptr, ck.name):
+                fmt.write_file(self.ckdir / "latest.tmp", ck.name)
+                os.replace(self.ckdir / "latest.tmp", ptr)
+                fmt.fsync_dir(self.ckdir)
             return []
         dest = self.ckdir / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
         dest.mkdir(exist_ok=True)
         for d in newer:
             d.rename(dest / d.name)
-        if ck.parent.resolve() == self.ckdir.resolve():
+        if here:
             fmt.write_file(self.ckdir / "latest.tmp", ck.name)
-            os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
+            os.replace(self.ckdir / "latest.tmp", ptr)
         else:  # resumed from elsewhere: `latest` named a checkpoint moved aside
-            (self.ckdir / "latest").unlink(missing_ok=True)
+            ptr.unlink(missing_ok=True)
         fmt.fsync_dir(self.ckdir)
         logger.warning(
             "resumed from step %d: this run's later checkpoints (%s) are moved to %s; delete "
@@ -248,7 +262,8 @@ class Checkpointer:
                 fmt.write_file(tmp / "state.json", json.dumps(state, indent=1))
                 fmt.fsync_dir(tmp)
         guard.agree()  # in place of a barrier: every rank's files are on disk, or all raise
-        replaced = final.with_name(final.name + ".replaced.tmp")
+        # not `.tmp`: the stale-save cleanup and a failed save's cleanup remove those
+        replaced = final.with_name(final.name + ".replaced")
         if self.rank == 0:
             with guard.attempt():
                 _fault("rename", step)

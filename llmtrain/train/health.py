@@ -143,10 +143,15 @@ def _save_failed(step: int, ckdir: Path, reason: str, where) -> str:
 
 
 def remove_partial(ckdir: Path, step: int) -> None:
-    """Remove the unfinished `.tmp` outputs of the save of `step` (any format's)."""
+    """Remove the unfinished `.tmp` outputs of the save of `step` (any format's), and put back
+    the earlier step_N that save had moved aside, if it never took its place."""
     for p in ckdir.glob(f"step_{step:08d}*.tmp"):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     (ckdir / "latest.tmp").unlink(missing_ok=True)
+    final = ckdir / f"step_{step:08d}"
+    aside = final.with_name(final.name + ".replaced")
+    if aside.is_dir() and not final.exists():
+        aside.rename(final)
 
 
 def guarded_save(save: Callable[[], T], run_dir: Path, step: int) -> T:

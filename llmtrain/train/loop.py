@@ -80,6 +80,8 @@ def _prepare_run_dir(run_dir: Path, resume: str, overwrite: bool, rank: int):
             err = f"cannot write the run directory {run_dir}: {e.strerror or e}"
     err = comm.broadcast_object(err)
     if err is not None:
+        if lock is not None:  # taken, then --overwrite failed: not held past this run's end
+            lock.close()
         raise TrainingError(err)
     return lock
 
@@ -233,9 +235,11 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
             return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
                           make_dispatcher, stop)  # fmt: skip
     finally:
-        shutdown_distributed()
-        if lock is not None:  # after the last save (an async one included) is complete
-            lock.close()
+        try:
+            shutdown_distributed()
+        finally:
+            if lock is not None:  # after the last save (an async one included) is complete
+                lock.close()
 
 
 @dataclasses.dataclass

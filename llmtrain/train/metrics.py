@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -170,6 +171,11 @@ def _json_value(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _json_line(r: dict) -> str:
+    """One strict-JSON line (a non-finite value, as older runs wrote them, becomes null)."""
+    return json.dumps({k: _json_value(v) for k, v in r.items()}, allow_nan=False) + "\n"
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -193,7 +199,9 @@ class MetricsLogger:
             return
         if start_step and self.path.exists():  # drop lines past the checkpoint we resumed from
             keep = [r for r in read_records(self.path) if r["step"] <= start_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp = self.path.with_name(self.path.name + ".tmp")  # a kill here loses no history
+            tmp.write_text("".join(_json_line(r) for r in keep))
+            os.replace(tmp, self.path)
         elif not start_step and self.path.exists():
             self.path.unlink()
         self.file = open(self.path, "a")
@@ -229,8 +237,7 @@ class MetricsLogger:
         if self.rank != 0:
             return
         # strict JSON: a skipped step's NaN loss is written null (jq and most parsers refuse NaN)
-        clean = {k: _json_value(v) for k, v in record.items()}
-        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self.file.write(_json_line(record))
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
