@@ -81,10 +81,17 @@ def _manifest(sweep: Path) -> dict:
 
 
 def is_finished(run_dir: Path, max_steps: int) -> bool:
-    """The run's checkpoint to resume from is its last step's (what `resume=auto` would take:
-    `latest`, or a complete save newer than it that was killed before `latest` moved)."""
+    """`latest` names the last step (its files may since have been deleted to save space:
+    collect reads metrics.jsonl), or the checkpoint `resume=auto` would take is the last step's
+    (a save killed before `latest` moved)."""
     from llmtrain.checkpoint import format as fmt
 
+    last = f"step_{max_steps:08d}"
+    try:
+        if (run_dir / "checkpoints" / "latest").read_text().strip() == last:
+            return True
+    except (OSError, UnicodeDecodeError):
+        pass
     try:
         ck = fmt.latest_checkpoint(run_dir)
     except fmt.CheckpointError:  # damaged: the trainer's resume says how to go on
