@@ -116,29 +116,30 @@ class Checkpointer:
         newer += [d for d in self.ckdir.glob("step_*") if d.is_dir() and d not in newer
                   and (fmt.checkpoint_step(d) or -1) > step]  # fmt: skip
         here = ck.parent.resolve() == self.ckdir.resolve()
-        ptr = self.ckdir / "latest"
+        if newer:
+            dest = self.ckdir / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+            dest.mkdir(exist_ok=True)
+            for d in newer:
+                d.rename(dest / d.name)
+            if not here:  # resumed from elsewhere: `latest` named a checkpoint moved aside
+                (self.ckdir / "latest").unlink(missing_ok=True)
+            fmt.fsync_dir(self.ckdir)
+        if here and not _names(self.ckdir / "latest", ck.name):
+            self._point_latest(ck.name)
         if not newer:
-            if here and not _names(ptr, ck.name):
-                fmt.write_file(self.ckdir / "latest.tmp", ck.name)
-                os.replace(self.ckdir / "latest.tmp", ptr)
-                fmt.fsync_dir(self.ckdir)
             return []
-        dest = self.ckdir / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-        dest.mkdir(exist_ok=True)
-        for d in newer:
-            d.rename(dest / d.name)
-        if here:
-            fmt.write_file(self.ckdir / "latest.tmp", ck.name)
-            os.replace(self.ckdir / "latest.tmp", ptr)
-        else:  # resumed from elsewhere: `latest` named a checkpoint moved aside
-            ptr.unlink(missing_ok=True)
-        fmt.fsync_dir(self.ckdir)
         logger.warning(
             "resumed from step %d: this run's later checkpoints (%s) are moved to %s; delete "
             "that folder when you no longer need them", step,
             ", ".join(sorted(d.name for d in newer)), dest,
         )  # fmt: skip
         return newer
+
+    def _point_latest(self, name: str) -> None:
+        """`latest` names checkpoint `name`: replaced whole (never half-written), then synced."""
+        fmt.write_file(self.ckdir / "latest.tmp", name)
+        os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
+        fmt.fsync_dir(self.ckdir)
 
     # ------------------------------------------------------------ placement
 
@@ -273,9 +274,7 @@ class Checkpointer:
                 tmp.rename(final)
                 fmt.fsync_dir(self.ckdir)
                 _fault("latest", step)
-                fmt.write_file(self.ckdir / "latest.tmp", final.name)
-                os.replace(self.ckdir / "latest.tmp", self.ckdir / "latest")
-                fmt.fsync_dir(self.ckdir)
+                self._point_latest(final.name)
         guard.agree()  # a late write error stops every rank, not only the writer
         if self.rank == 0:  # the save is complete: what follows only tidies up
             try:
