@@ -482,13 +482,42 @@ def test_a_resumed_checkpoint_becomes_latest_and_a_failed_save_puts_back_what_it
     assert fmt.latest_checkpoint(run) == ck / "step_00000010"
     assert chk.set_aside_newer(ck / "step_00000010", 10) == []
     assert (ck / "latest").read_text() == "step_00000010"
-    other = _fake_checkpoint(tmp_path / "other" / "checkpoints", 20)  # from another run: as it was
-    assert chk.set_aside_newer(other, 20) == [] and (ck / "latest").read_text() == "step_00000010"
+    # from another run (a fork): `latest` holds its path, so a run stopped before its first save
+    # continues from it (not from this run's step_10, nor step 0 in a new run directory)
+    other = _fake_checkpoint(tmp_path / "other" / "checkpoints", 20)
+    assert chk.set_aside_newer(other, 20) == [] and (ck / "latest").read_text() == str(other)
+    assert fmt.latest_checkpoint(run) == other == fmt.resolve_checkpoint(run)
+    fresh = Checkpointer(tmp_path / "fresh", None, 0, keep_last=0)  # before its checkpoints/
+    assert (
+        fresh.set_aside_newer(other, 20) == []
+        and fmt.latest_checkpoint(tmp_path / "fresh") == other
+    )
+    (ck / "latest").write_text("../other/checkpoints/step_00000020")  # a relative path: refused
+    with pytest.raises(CheckpointError, match="which is incomplete or missing"):
+        fmt.latest_checkpoint(run)
+    (ck / "latest").write_text("step_00000010")
 
     (ck / "step_00000010").rename(ck / "step_00000010.replaced")  # the save of step 10 again,
     (ck / "step_00000010.tmp").mkdir()  # failing before its new directory took the place
     health.remove_partial(ck, 10)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000005", "step_00000010"]
+
+
+def test_a_rollback_undone_from_the_abandoned_folder_is_what_resume_auto_takes(tmp_path):
+    """resume= a checkpoint in this run's abandoned-UTC/ folder: the checkpoints past it go aside
+    in turn and `latest` holds its path, so a run stopped before its next save returns to it."""
+    from llmtrain.train.checkpointing import Checkpointer
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    for s in (5, 10):
+        _fake_checkpoint(ck, s)
+    (ck / "latest").write_text("step_00000010")
+    back = _fake_checkpoint(ck / "abandoned-20260101T000000Z", 7)
+    moved = Checkpointer(run, None, 0, keep_last=0).set_aside_newer(back, 7)
+    assert [d.name for d in moved] == ["step_00000010"]
+    assert [n for n, _ in fmt.complete_checkpoints(run)] == [5]
+    assert fmt.latest_checkpoint(run) == back
 
 
 def test_keep_last_prunes_by_step_number_up_to_the_save(tmp_path):

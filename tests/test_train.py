@@ -112,12 +112,17 @@ def test_four_ranks_ep2_match_one_process(reference, cache, tmp_path):
 def test_resume_with_another_global_batch_continues_the_sample_stream(reference, cache, tmp_path):
     """Resuming step 10 (8 samples a step) at 16 a step: samples 80.. follow, none skipped, and
     the counters add up; a model setting DeepSeek-V3 changes late (MTP weight, bias speed) is
-    accepted with a warning, one that changes shapes is refused."""
+    accepted with a warning, one that changes shapes is refused. The new run directory is a fork:
+    killed before its first save, resume=auto continues from the other run's checkpoint."""
     ck = reference / "checkpoints" / "step_00000010"
     run = tmp_path / "run"
-    over = base(cache, f"resume={ck}", "train.max_steps=12", "train.global_batch_size=16",
+    over = base(cache, "train.max_steps=12", "train.global_batch_size=16",
                 "model.bias_update_speed=0.0", "model.aux_loss_alpha=0")  # fmt: skip
-    p = run_train(run, 1, over)
+    p = run_train(run, 1, [*over, f"resume={ck}"], check=False, LLMTRAIN_FAULT_KILL_RANK="0@12")
+    assert p.returncode != 0 and (run / "checkpoints" / "latest").read_text() == str(ck.resolve())
+    p = run_train(run, 1, [*over, "resume=auto"])
+    assert f"resumed from {ck.resolve()} at step 10" in p.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000012"
     assert "model.bias_update_speed changes from 0.001 to 0.0" in p.stderr
     assert "no load balancing" in p.stderr  # both balancing terms are now off
     assert "learning rate jumps" in p.stderr and "set the final value" in p.stderr

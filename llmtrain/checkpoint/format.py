@@ -828,7 +828,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     killed between its rename and `latest`'s update: that checkpoint is complete, so it is
     taken (with a warning) rather than losing a save interval or starting over. A `latest`
     written after that save (its state.json) was pointed back by hand, a rollback: it is
-    followed (the resume then moves the later checkpoints aside)."""
+    followed (the resume then moves the later checkpoints aside). After a resume from another
+    run's checkpoint, `latest` holds that checkpoint's absolute path until this run's first save,
+    so a run stopped before it continues from there, not from step 0."""
     ckdir = Path(run_dir) / "checkpoints"
     ptr = ckdir / "latest"
     done = complete_checkpoints(run_dir)
@@ -840,7 +842,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             name, why = None, f"is unreadable ({type(e).__name__})"
         else:
             why = f"names {name}, which is incomplete or missing" if name else "is empty"
-        if not name or "/" in name or not is_complete(ckdir / name):
+        if not name or ("/" in name and not os.path.isabs(name)) or not is_complete(ckdir / name):
             newest = f" (the newest complete: resume={done[-1][1]})" if done else ""
             raise CheckpointError(f"{ptr} {why}; {RECOVER}{newest}")
         named = ckdir / name

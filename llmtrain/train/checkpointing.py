@@ -111,21 +111,24 @@ class Checkpointer:
         are moved to checkpoints/abandoned-UTC/ (not deleted: the user decides), and `latest`
         names `ck`, so keep_last never prunes the new saves for them and resume=auto never
         returns to the abandoned run. `latest` names `ck` also when nothing was newer (a save
-        killed before `latest` moved, resumed at max_steps: no save follows to fix it)."""
+        killed before `latest` moved, resumed at max_steps: no save follows to fix it), and by
+        its absolute path when `ck` lies elsewhere (another run, an abandoned-UTC folder): a run
+        stopped before its first save then continues from `ck`, not from this run's older
+        checkpoints or step 0."""
         newer = [d for n, d in fmt.complete_checkpoints(self.run_dir) if n > step]
         newer += [d for d in self.ckdir.glob("step_*") if d.is_dir() and d not in newer
                   and (fmt.checkpoint_step(d) or -1) > step]  # fmt: skip
         here = ck.parent.resolve() == self.ckdir.resolve()
+        name = ck.name if here else str(ck.resolve())
         if newer:
             dest = self.ckdir / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
             dest.mkdir(exist_ok=True)
             for d in newer:
                 d.rename(dest / d.name)
-            if not here:  # resumed from elsewhere: `latest` named a checkpoint moved aside
-                (self.ckdir / "latest").unlink(missing_ok=True)
             fmt.fsync_dir(self.ckdir)
-        if here and not _names(self.ckdir / "latest", ck.name):
-            self._point_latest(ck.name)
+        if not _names(self.ckdir / "latest", name):
+            self.ckdir.mkdir(parents=True, exist_ok=True)
+            self._point_latest(name)
         if not newer:
             return []
         logger.warning(
