@@ -184,6 +184,14 @@ def test_mixture_weights_are_deterministic(tmp_path):
     n_b = sum(k.startswith("b.jsonl:") for k, _ in docs)
     assert n_a == 800 and 70 < n_b < 130
     assert docs == list(iter_documents(mix))  # the same documents every time
+    # copies lie a whole source apart, never back to back (they would share training windows)
+    keys = [k for k, _ in docs]
+    assert keys[:400] == keys[400:800] and all(a != b for a, b in zip(keys, keys[1:]))
+    # with the split known, a validation document is taken once
+    items = list(corpus.iter_items(corpus.parse_sources(mix[:1]), val_percent=20))
+    val = [it[0] for it in items if corpus.is_validation(it[0], 20)]
+    assert 40 < len(val) < 120 and len(set(val)) == len(val)
+    assert len(items) == 800 - len(val)
     with pytest.raises(DataError, match=r"sources\[0\].weight"):
         list(iter_documents([{"path": str(a), "weight": -1}]))
 
@@ -304,7 +312,9 @@ def test_cli_prepare_reports_and_bad_inputs_are_one_line(tmp_path, capsys):
     mix = f"data.sources=[{{path: {d}/0.jsonl, weight: 2}}, {d}/1.jsonl]"
     assert main(["data", "prepare", cfg, mix, *common]) == 0
     out = capsys.readouterr().out
-    assert "train /" in out and "120 documents, 0 bad record(s) skipped" in out
+    keys = [it[0] for it in corpus.iter_items(corpus.parse_sources([f"{d}/0.jsonl"]))]
+    n = 40 + sum(1 if corpus.is_validation(k, 20) else 2 for k in keys)  # validation: once
+    assert 80 < n < 120 and "train /" in out and f"{n} documents, 0 bad record(s) skip" in out
     (tmp_path / "bin.txt").write_bytes(b"\x00\x01binary")
     (tmp_path / "bad.jsonl").write_text("{oops\n" * 3)
     cases = [
@@ -479,16 +489,19 @@ def test_validation_sample_spans_the_split(monkeypatch):
 
 
 def test_large_text_files_tokenize_as_the_whole_file(monkeypatch):
-    """A large .txt is encoded in ~1 MiB pieces; a piece ends after a newline followed by text,
-    so no whitespace run is split and the pieces' tokens are the whole file's."""
+    """A large .txt is encoded in ~1 MiB pieces; a piece ends after a lone newline (text on
+    both sides), so no whitespace run is split and the pieces' tokens are the whole file's."""
     from llmtrain.data.tokenizer import train_bpe
 
     monkeypatch.setattr(corpus, "TEXT_PIECE_CHARS", 200)
     rng = np.random.default_rng(5)
-    # half the lines indented (as code is): a cut after "\n" must not split "\n    "
-    lines = [" " * int(rng.integers(0, 9)) * (i % 2) + _text(rng, 5) for i in range(300)]
+    # half the lines indented (as code is): a cut after "\n" must not split "\n    "; some
+    # end in spaces or a blank line, whose runs ("   \n", "\n\n") a piece's end would keep whole
+    lines = [" " * int(rng.integers(0, 9)) * (i % 2) + _text(rng, 5) + "  " * (i % 3 == 0)
+             + "\n" * (i % 5 == 0) for i in range(300)]  # fmt: skip
     text = "\n".join(lines) + "\n"
-    tok = train_bpe(iter([text]), 400)
+    # a BPE that knows those runs whole (documents ending in them): a wrong cut shows
+    tok = train_bpe(iter([text] + ["w  \n", "w\n\n"] * 200), 400)
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -499,6 +512,7 @@ def test_large_text_files_tokenize_as_the_whole_file(monkeypatch):
     ids = [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
     assert ids == tok.encode(text, add_special_tokens=False).ids
     assert corpus._cut("a\n  b\nc\n   ") == 6 and corpus._cut("  \n   ") == 0
+    assert corpus._cut("a\nb  \nc\n\nd\r\ne") == 2 and corpus._cut("\nb") == 0
     assert corpus._cut("  \n   ", anyhow=True) == 3
     # one huge JSONL/Parquet document is encoded in such pieces too, with the same tokens
     from llmtrain.data import prepare

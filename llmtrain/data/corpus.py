@@ -121,23 +121,38 @@ def source_files(spec: str) -> list[Path]:
 
 
 def iter_items(
-    sources: list[Source], text_field: str = "text", streaming: bool = True
+    sources: list[Source],
+    text_field: str = "text",
+    streaming: bool = True,
+    val_percent: float | None = None,
 ) -> Iterator[Item]:
-    """Every item of every source in a fixed order, mixture copies included."""
+    """Every item of every source in a fixed order, mixture copies included. A source of weight
+    W > 1 is read in ceil(W) passes, copy k of a document in pass k, so copies lie a whole source
+    apart: back to back they would share training windows (the model predicts the second copy
+    from the first in its context). With `val_percent`, a validation document is taken at most
+    once (a weight below 1 still samples it): repeats add no measurement, only such leaks."""
+
+    def taken(key: str, weight: float) -> int:
+        n = copies(key, weight)
+        return min(n, 1) if val_percent is not None and is_validation(key, val_percent) else n
+
     for src in sources:
-        if src.spec.startswith("hf:"):
-            for item in _iter_hf(src.spec[3:], text_field, streaming):
-                yield from [item] * copies(item[0], src.weight)
-            continue
-        root = source_root(src.spec)
-        for f in source_files(src.spec):
-            name = stable_name(f, root)
-            if _kind(f) == "text":  # one document per file: repeat the whole (streamed) file
-                for _ in range(copies(name, src.weight)):
-                    yield from _iter_text_file(f, name)
+        for k in range(max(1, math.ceil(src.weight))):
+            if src.spec.startswith("hf:"):
+                for item in _iter_hf(src.spec[3:], text_field, streaming):
+                    if taken(item[0], src.weight) > k:
+                        yield item
                 continue
-            for item in _iter_file(f, text_field, name):
-                yield from [item] * copies(item[0], src.weight)
+            root = source_root(src.spec)
+            for f in source_files(src.spec):
+                name = stable_name(f, root)
+                if _kind(f) == "text":  # one document per file, streamed in pieces
+                    if taken(name, src.weight) > k:
+                        yield from _iter_text_file(f, name)
+                    continue
+                for item in _iter_file(f, text_field, name):
+                    if taken(item[0], src.weight) > k:
+                        yield item
 
 
 def source_root(spec: str) -> Path:
@@ -234,12 +249,14 @@ def _iter_text_file(f: Path, key: str) -> Iterator[Item]:
 
 
 def _cut(text: str, anyhow: bool = False) -> int:
-    """Where a piece of a large text file may end: after the last newline that a non-space
-    character follows, so no whitespace run is split (a BPE pre-tokenizer keeps "\\n    "
-    together); 0 when there is none, unless `anyhow`: then after the last newline, or all."""
+    """Where a piece of a large text file may end: after the last lone newline (non-space
+    characters on both sides), so no whitespace run is split. GPT-2-style pre-tokenizers keep
+    "\\n    " together and split "\\n\\n" or "   \\n" as "\\n", "\\n" inside a text but not at its
+    end; Llama 3's keeps "\\n\\n" whole. 0 when there is none, unless `anyhow`: then after the
+    last newline, or all (CRLF text, which no cut keeps whole for both kinds)."""
     at = len(text) - 1
     while (at := text.rfind("\n", 0, at)) >= 0:
-        if not text[at + 1].isspace():
+        if at > 0 and not text[at + 1].isspace() and not text[at - 1].isspace():
             return at + 1
     return (text.rfind("\n") + 1 or len(text)) if anyhow else 0
 

@@ -63,7 +63,9 @@ from llmtrain.data.tokenizer import check_fits, eos_id, load_tokenizer, train_bp
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 3: documents keyed by their path inside the source (split, mixing)
+# 3: documents keyed by their path inside the source (split, mixing); 4: mixture copies a
+# source apart, validation documents taken once
+FORMAT_VERSION = 4
 LOCK_STALE_S = 300.0  # a lock not refreshed for this long (waiter's clock) has a dead owner
 HEARTBEAT_S = 10.0
 WAIT_LOG_S = 60.0
@@ -290,7 +292,8 @@ def _chunks(data_cfg) -> Iterator[list[Item]]:
     for src in sources:
         budget = data_cfg.max_bytes * src.weight / weights if data_cfg.max_bytes else 0
         taken = 0
-        for item in iter_items([src], data_cfg.text_field, data_cfg.streaming):
+        for item in iter_items([src], data_cfg.text_field, data_cfg.streaming,
+                               data_cfg.val_percent):  # fmt: skip
             p = item[2]
             n = len(p) if isinstance(p, (str, bytes)) else 0
             chunk.append(item)
