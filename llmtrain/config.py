@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -238,8 +239,9 @@ class DataConfig:
                 f"{prefix}.sources must be a non-empty list of paths, hf:NAME, "
                 "or {path: ..., weight: ...} mappings"
             )
-        if self.num_proc < 0 or self.max_bad_records < 0:
-            raise ConfigError(f"{prefix}.num_proc and {prefix}.max_bad_records must be >= 0")
+        if self.num_proc < 0 or self.max_bad_records < 0 or self.max_bytes < 0:
+            raise ConfigError(f"{prefix}.num_proc, {prefix}.max_bad_records and {prefix}.max_bytes "
+                              "must be >= 0 (max_bytes 0: all the data)")  # fmt: skip
         _positive(prefix, "chunk_bytes", self.chunk_bytes)
         if not 0 < self.val_percent < 50:
             raise ConfigError(f"{prefix}.val_percent={self.val_percent} must be in (0, 50)")
@@ -296,7 +298,8 @@ class TrainConfig:
 
     def validate(self, prefix: str = "train") -> None:
         for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps", "log_every",
-                     "eval_every", "save_every", "keep_last", "max_nonfinite"):  # fmt: skip
+                     "eval_every", "eval_batches", "save_every", "keep_last",
+                     "max_nonfinite"):  # fmt: skip
             _positive(prefix, name, getattr(self, name))
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
@@ -354,8 +357,7 @@ class TrainConfig:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be in [0, 1)")
         _positive(prefix, "eps", self.eps)
-        for name in ("weight_decay", "grad_clip", "peak_flops", "sample_tokens", "eval_batches",
-                     "profile_step"):  # fmt: skip
+        for name in ("weight_decay", "grad_clip", "peak_flops", "sample_tokens", "profile_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be >= 0")
         if self.global_batch_size % self.micro_batch_size:
@@ -598,7 +600,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if not key.strip() or any(not part for part in key.strip().split(".")):
             raise ConfigError(f"override {item!r} has an empty key; write section.key=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(
                 f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); "
@@ -633,6 +635,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2's floats: PyYAML (YAML 1.1) reads 5e8 and 1e-3 (no dot) as strings, which typed
+# float fields convert but values inside a mapping or list (train.deepspeed, mixture weights) keep
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def _read_yaml(p: Path) -> Any:
     try:
         text = p.read_text(encoding="utf-8")
@@ -641,7 +656,7 @@ def _read_yaml(p: Path) -> Any:
             f"config file {p} is not UTF-8 text (byte {e.start}); give a YAML file"
         ) from e
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        return _load_yaml(text)
     except yaml.YAMLError as e:
         hint = (
             "YAML forbids tabs for indentation; indent with spaces"

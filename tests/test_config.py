@@ -31,6 +31,18 @@ def test_overrides_are_typed_and_nested():
     assert cfg.model.rope.type == "yarn" and cfg.model.rope.factor == 4.0
     assert cfg.parallel.zero_stage == 2
     assert parse_overrides(["a.b.c=true"]) == {"a": {"b": {"c": True}}}
+    # numbers are numbers inside mappings and lists too (YAML 1.1 reads 5e8 as a string)
+    cfg = load_config(
+        ROOT / "configs" / "debug.yaml",
+        ["train.deepspeed.zero_optimization.reduce_bucket_size=5e8", "train.max_steps=1e3",
+         "data.sources=[{path: a.jsonl, weight: 1e-1}]", 'data.tokenizer="5e8"'],
+    )  # fmt: skip
+    assert cfg.train.deepspeed["zero_optimization"]["reduce_bucket_size"] == 5e8
+    assert cfg.train.max_steps == 1000 and cfg.data.sources[0]["weight"] == 0.1
+    assert cfg.data.tokenizer == "5e8" and parse_overrides(["a=1e"]) == {"a": "1e"}
+    for bad, what in (("train.eval_batches=0", "eval_batches"), ("data.max_bytes=-1", "max_bytes")):
+        with pytest.raises(ConfigError, match=what):
+            load_config(ROOT / "configs" / "debug.yaml", [bad])
 
 
 def test_unknown_keys_are_errors_naming_them(tmp_path):
