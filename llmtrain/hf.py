@@ -57,7 +57,11 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     )
     if kind == "yarn":
         factor = src.get("factor")
-        orig = src.get("original_max_position_embeddings")
+        # as transformers reads it: a top-level value first, then the rope dict's, else the
+        # model's max_position_embeddings
+        orig = hf.get("original_max_position_embeddings") or src.get(
+            "original_max_position_embeddings"
+        ) or hf["max_position_embeddings"]  # fmt: skip
         if factor is None:
             factor = hf["max_position_embeddings"] / orig
         rope.factor = float(factor)
@@ -84,11 +88,12 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                     "norm_topk_prob": True, "q_lora_rank": 1536, "n_shared_experts": 1,
                     "first_k_dense_replace": 3, "rms_norm_eps": 1e-6,
-                    "tie_word_embeddings": False, "rope_interleave": True, "hidden_act": "silu"},
+                    "tie_word_embeddings": False, "rope_interleave": True, "hidden_act": "silu",
+                    "max_position_embeddings": 4096},
     "deepseek_v2": {"n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
                     "norm_topk_prob": False, "q_lora_rank": 1536, "n_shared_experts": 2,
                     "first_k_dense_replace": 0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "topk_method": "greedy", "hidden_act": "silu"},
+                    "topk_method": "greedy", "hidden_act": "silu", "max_position_embeddings": 2048},
 }  # fmt: skip
 
 # config.json fields a DeepSeek MLA + MoE model cannot do without
@@ -201,7 +206,7 @@ def _model_config_from_hf(hf: dict[str, Any], mtype: str, mtp: bool) -> ModelCon
         bias_update_speed=0.0 if v2 else 0.001,
         rms_norm_eps=float(hf["rms_norm_eps"]),
         tie_word_embeddings=bool(hf["tie_word_embeddings"]),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        max_position_embeddings=hf["max_position_embeddings"],
         init_std=float(hf.get("initializer_range", 0.02)),
         rope=_rope_from_hf(hf),
     )
@@ -295,7 +300,9 @@ def hf_config_from_model(cfg: ModelConfig, mtp: bool = False) -> dict[str, Any]:
         out["rope_interleave"] = cfg.rope.interleave
         out["scoring_func"] = "sigmoid"
         out["topk_method"] = "noaux_tc"
-        out["num_nextn_predict_layers"] = cfg.mtp_depth if mtp else 0
+    # V2 has no MTP of its own, but a softmax export carries the MTP weights as V3's do: the depth
+    # is what reads them back (from_pretrained(mtp=True), init_from)
+    out["num_nextn_predict_layers"] = cfg.mtp_depth if mtp else 0
     return out
 
 

@@ -186,6 +186,27 @@ def test_yarn_attention_factor_and_truncate_survive_the_export_config():
     assert back.rope.attention_factor == 1.3 and back.rope.truncate is False
 
 
+def test_config_round_trips_keep_the_mtp_depth_and_read_yarn_as_transformers_does():
+    """A softmax (DeepseekV2) export carries its MTP weights, so its config.json must say their
+    depth, or they are dropped on the way back in; a YaRN config.json without
+    original_max_position_embeddings takes the model's maximum, as transformers does."""
+    from transformers import DeepseekV3Config
+
+    from llmtrain.config import ModelConfig
+    from llmtrain.hf import hf_config_from_model, model_config_from_hf
+
+    v2 = ModelConfig(scoring_func="softmax", norm_topk_prob=False, bias_update_speed=0.0,
+                     mtp_depth=1)  # fmt: skip
+    out = hf_config_from_model(v2, mtp=True)
+    assert out["model_type"] == "deepseek_v2" and model_config_from_hf(out, mtp=True).mtp_depth == 1
+    out = hf_config_from_model(ModelConfig())
+    out["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    out.pop("rope_scaling", None)
+    want = DeepseekV3Config(**out).rope_parameters["original_max_position_embeddings"]
+    got = model_config_from_hf(out).rope.original_max_position_embeddings
+    assert got == want == out["max_position_embeddings"]
+
+
 def test_softmax_half_rotation_is_refused_not_exported_wrong():
     """DeepseekV2 always rotates interleaved pairs: a softmax model trained with half rotation
     has no V2 equivalent, and writing one would give other logits."""

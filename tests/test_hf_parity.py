@@ -102,6 +102,33 @@ def test_backends_agree_on_hf_weights(backend, tmp_path):
         assert (hf(ids).logits - ours(ids).logits).abs().max() < 1e-4
 
 
+def test_a_left_padded_batch_matches_transformers_on_every_path(tmp_path):
+    """Left pads under the mask check_mask asks for (pad & causal): a pad's query may attend no
+    key. Each path gives the real tokens transformers' logits, none NaN (a NaN pad row once
+    reached every token through 0·NaN in the next layer), and a float mask is refused."""
+    from llmtrain.model import MLACache
+    from llmtrain.model.attention import causal_mask
+
+    hf = make_hf_model(seed=3)
+    hf.save_pretrained(tmp_path)
+    ours = llmtrain.from_pretrained(tmp_path)
+    t = 12
+    ids = torch.randint(1, 96, (2, t), generator=torch.Generator().manual_seed(0))
+    real = torch.ones(2, t, dtype=torch.bool)
+    real[1, :4] = False
+    mask = real[:, None, None, :] & causal_mask(t, t, ids.device)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=real.long()).logits[real]
+        for backend, cache in (("sdpa", None), ("sdpa", MLACache(ours.cfg.num_layers)),
+                               ("reference", None)):  # fmt: skip
+            ours.cfg.attn_backend = backend
+            got = ours(ids, attention_mask=mask, cache=cache).logits
+            assert not got.isnan().any(), (backend, cache)
+            assert (got[real] - ref).abs().max() < 1e-4, (backend, cache)
+        with pytest.raises(ValueError, match="must be boolean"):
+            ours(ids, attention_mask=mask.float())
+
+
 def test_missing_config_keys_read_as_transformers_reads_them(tmp_path):
     """A config.json without n_group / topk_group / routed_scaling_factor: transformers fills its
     class defaults (8, 4, 2.5 for V3), and so must we, or the logits differ silently."""

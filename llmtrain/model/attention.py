@@ -200,6 +200,11 @@ def check_mask(mask, shape_BT: torch.Size | tuple[int, int]) -> None:
             "included) or a DocumentMask; an HF-style [B, T] padding mask is not read: combine "
             "it with causal_mask(T, S) as pad_BS[:, None, None, :] & causal_TS"
         )
+    if mask.dtype != torch.bool:  # SDPA would add a 0/1 float mask to the scores: no masking
+        raise ValueError(
+            f"attention_mask must be boolean (True: may attend), not {mask.dtype}: a float mask "
+            "would be added to the scores (the future unmasked); pass mask.bool()"
+        )
     b, t = shape_BT
     if mask.shape[0] not in (1, b) or mask.shape[2] != t:
         raise ValueError(
@@ -309,10 +314,16 @@ def reference_attention(
 ) -> torch.Tensor:
     """Plain softmax(QKᵀ·scale + mask)·V in fp32; mask is boolean (True = may attend)."""
     s = _atleast_fp32(torch.matmul(q_BHTE, k_BHSE.transpose(-1, -2))) * scale
-    if mask_TS is not None:
-        s = s.masked_fill(~mask_TS, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v_BHSV.dtype)
-    return torch.matmul(p, v_BHSV)
+    p = torch.softmax(s, dim=-1) if mask_TS is None else masked_softmax(s, mask_TS)
+    return torch.matmul(p.to(v_BHSV.dtype), v_BHSV)
+
+
+def masked_softmax(s: torch.Tensor, may_attend: torch.Tensor) -> torch.Tensor:
+    """softmax over the keys a query may attend; a query that may attend none (a left pad's
+    row) gets zeros, as SDPA gives, not NaN: p·V of the next layer's real queries would be
+    0·NaN = NaN at that key, and the NaN would reach every token of the sequence."""
+    p = torch.softmax(s.masked_fill(~may_attend, float("-inf")), dim=-1)
+    return p.masked_fill(~may_attend.any(dim=-1, keepdim=True), 0.0)
 
 
 def _atleast_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -498,6 +509,6 @@ class MLA(nn.Module):
         t, s = s_BHTS.shape[-2:]
         mask = _dense(mask)
         m = mask if mask is not None else causal_mask(t, s, s_BHTS.device)
-        p_BHTS = torch.softmax(s_BHTS.masked_fill(~m, float("-inf")), dim=-1).to(c_BSR.dtype)
+        p_BHTS = masked_softmax(s_BHTS, m).to(c_BSR.dtype)
         ol_BHTR = torch.matmul(p_BHTS, c_BSR.unsqueeze(1))
         return torch.einsum("bhtr,hvr->bhtv", ol_BHTR, w_uv_HVR)
