@@ -182,6 +182,41 @@ def test_bad_input_gets_clear_messages():
         fit_approach2(flat)
 
 
+def test_fits_that_answer_no_allocation_are_refused(tmp_path):
+    """Data that cannot give a compute-optimal allocation say so: a ladder at one tokens-per-
+    parameter ratio (alpha and beta cannot be told apart: the fit once put alpha at 1.6 with a
+    narrow interval), loss rising with model size (alpha < 0: a complex G), an IsoFLOP
+    bootstrap with no residual to draw (a zero-width interval), a misspelt column (derived from
+    the others instead), and a registered dense law is usable."""
+    law = BUILTIN_LAWS["epoch"]
+    rng = np.random.default_rng(1)
+    n = np.logspace(7, 10, 16)
+    d = 20 * n
+    ladder = Runs(n, d, 6 * n * d, np.array([law.loss(a, b) for a, b in zip(n, d)])
+                  * np.exp(0.005 * rng.normal(size=16)), np.ones(16, bool))  # fmt: skip
+    with pytest.raises(ScalingError, match="cannot tell the model-size term"):
+        fit_approach3(ladder)
+    assert fit_approach3(_synthetic())["params"]["alpha"] > 0  # an IsoFLOP design passes
+    rising = _synthetic()
+    rising.loss = 2.0 + 0.02 * np.log(rising.N) + 50 / rising.D**0.3
+    with pytest.raises(ScalingError, match="does not fall with both model size and data"):
+        fit_approach3(rising)
+    from llmtrain.scaling.laws import Law
+
+    with pytest.raises(ScalingError, match="alpha=-0.1: A, B, alpha and beta must be positive"):
+        Law(1.8, 400, 400, -0.1, 0.3).allocate(1e22)
+    three = fit_approach2(_synthetic(per=3, noise=0.01), bootstrap=20)
+    assert three["bootstrap"]["ci95"] == {} and "no interval" in three["bootstrap"]["note"]
+    four = fit_approach2(_synthetic(per=4, noise=0.01), bootstrap=20)["bootstrap"]["ci95"]
+    assert four["a_exp"][0] < four["a_exp"][1]
+    f = tmp_path / "runs.csv"
+    f.write_text("params,tokens,compute,loss\n1e8,2e9,1.6e18,3.0\n")
+    with pytest.raises(ScalingError, match="--n-col 'non_embedding_params' is not a column"):
+        read_csv(f, n_col="non_embedding_params")
+    dense = load_law("krajewski2024-dense")
+    assert (dense.alpha, dense.beta) == (0.126, 0.127) and dense.allocate(1e21)["n_opt"] > 0
+
+
 def test_approach2_budget_with_a_far_minimum_is_excluded_not_a_crash():
     """A budget whose parabola puts its minimum far outside the sizes tried (N_opt underflowed
     to 0 once: ZeroDivisionError) is reported and left out of the power law."""

@@ -329,7 +329,7 @@ def test_cli_fit_from_csv_with_plot(tmp_path, capsys):
 
 def test_run_directories_give_experts_granularity_and_total(tmp_path):
     """Run directories (config.yaml + metrics.jsonl, as the trainer writes them) are read with
-    scaling.io, plus E, G and total parameters from the config."""
+    scaling.io, plus E, G and the granular law's total parameters from the config."""
     from llmtrain.accounting import count
     from llmtrain.scaling.family import Family, write_config
     from llmtrain.scaling.moe import load_moe_runs
@@ -348,8 +348,9 @@ def test_run_directories_give_experts_granularity_and_total(tmp_path):
     assert len(r) == 3 and sorted(r.experts.tolist()) == [1, 4, 16]
     assert sorted(r.granularity.tolist()) == [1, 1, 2]
     e16 = variant(base, 16, 1)
-    assert r.n_total[r.experts == 16][0] == count(e16.model, seq_len=e16.train.seq_len).total_params
-    assert np.all(r.n_act < r.n_total * 1.0001)
+    c = count(e16.model, seq_len=e16.train.seq_len)  # Krajewski's N: no embedding, no LM head
+    assert r.n_total[r.experts == 16][0] == c.total_params - c.embedding_params - c.lm_head_params
+    assert c.embedding_params > 0  # (this family ties the head to it)
 
 
 def test_sweep_collect_keeps_experts_for_the_moe_fit(tmp_path):
@@ -368,3 +369,7 @@ def test_sweep_collect_keeps_experts_for_the_moe_fit(tmp_path):
     runs = read_moe_csv(collect(tmp_path))
     assert sorted(runs.experts.tolist()) == [1, 4, 16]
     assert runs.n_total.max() > runs.n_act.max() * 2
+    body = sorted(r["body_total_params"] for r in m["runs"])  # the granular law's N, collected
+    assert sorted(runs.n_total.tolist()) == body and body[0] < min(
+        r["total_params"] for r in m["runs"]
+    )

@@ -215,6 +215,8 @@ def _report(results: dict, args) -> None:
                     )
             print(f"  N_opt ∝ C^{r['a_exp']:.4f}{_ci(r, 'a_exp')}")
             print(f"  D_opt ∝ C^{r['b_exp']:.4f}{_ci(r, 'b_exp')}")
+            if r.get("bootstrap", {}).get("note"):
+                print(f"  bootstrap: {r['bootstrap']['note']}")
     for k, v in results.get("errors", {}).items():
         print(f"\n{k}: not fitted: {v}")
     if args.plot:

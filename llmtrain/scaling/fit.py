@@ -20,6 +20,9 @@ from scipy.optimize import minimize
 from llmtrain.scaling.laws import Law, ScalingError
 
 DELTA = 1e-3
+# rms of log D about its best line in log N below which N and D cannot be told apart (0.1: D/N
+# varies by ~10% around a power of N; Chinchilla's runs: ~1)
+MIN_RATIO_SPREAD = 0.1
 GRID = {
     "alpha": np.arange(0.0, 2.01, 0.5),
     "beta": np.arange(0.0, 2.01, 0.5),
@@ -161,6 +164,15 @@ def fit_approach3(
             "approach 3 needs at least 3 distinct model sizes and 3 distinct token counts"
         )
     logN, logD, logL = np.log(r.N), np.log(r.D), np.log(r.loss)
+    spread = float(np.std(logD - np.polyval(np.polyfit(logN, logD, 1), logN)))
+    if spread < MIN_RATIO_SPREAD:  # D a power of N (a ladder at 20 tokens a parameter)
+        raise ScalingError(
+            f"approach 3 cannot tell the model-size term from the data term: the runs' token "
+            f"counts follow their model sizes (log D off a line in log N by {spread:.3f} rms), so "
+            "any split of the loss between A/N^alpha and B/D^beta fits (and bootstrap intervals "
+            "read narrow); add runs at other tokens per parameter (an IsoFLOP sweep: `llmtrain "
+            "scaling sweep plan`), or fit approach 1"
+        )
     best, n_ok, n_starts = grid_search(logN, logD, logL, reduce, progress)
     grid_theta = best.x.copy()
     polished = _minimize(best.x, logN, logD, logL, reduce, tight=True)
@@ -168,6 +180,15 @@ def fit_approach3(
         best = polished
     theta = best.x
     law = _law(theta)
+    try:
+        law.check_minimum()
+    except ScalingError:
+        raise ScalingError(
+            f"approach 3's best fit has alpha={law.alpha:.4g}, beta={law.beta:.4g}: in these runs "
+            "loss does not fall with both model size and data (larger runs under-trained or "
+            "mis-tuned?), so no compute-optimal allocation follows; check the runs, or fit "
+            "approach 2 (IsoFLOP parabolas)"
+        ) from None
     edge = []
     for k, v in zip(ORDER, theta):
         lo, hi = GRID[k].min(), GRID[k].max()
@@ -349,7 +370,12 @@ def _isoflop_bootstrap(r: Runs, labels, minima, used, bootstrap: int, seed: int,
         n = len(sel)
         if n > 3:
             pooled.append((r.loss[sel] - yhat) * math.sqrt(n / (n - 3)))
-    res = np.concatenate(pooled) if pooled else np.zeros(1)
+    if not pooled:
+        return {"resamples": 0, "seed": seed, "ci95": {}, "residual_df": 0,
+                "method": "residual (pooled, df-corrected)",
+                "note": "no interval: every budget has exactly 3 model sizes, so its parabola "
+                        "leaves no residual to resample; give 4 or more sizes a budget"}  # fmt: skip
+    res = np.concatenate(pooled)
     idx = np.concatenate([fitted[g][0] for g in groups])
     fits, short = [], 0
     for _ in range(bootstrap):

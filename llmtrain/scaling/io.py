@@ -35,9 +35,15 @@ ALIASES = {
 
 
 def _pick(cols: list[str], given: str | None, key: str) -> str | None:
-    """The column for N / D / C / loss: the one named (exactly), else the first known alias."""
+    """The column for N / D / C / loss: the one named (exactly), else the first known alias. A
+    named column the file lacks is an error: taken as absent, it would be derived from the
+    other two (N = C/(6D)) and a misspelt --n-col would pass unnoticed."""
     if given is not None:
-        return given if given in cols else None
+        if given not in cols:
+            flag = {"N": "n", "D": "d", "C": "c", "loss": "loss"}[key]
+            raise ScalingError(f"--{flag}-col {given!r} is not a column of the CSV (columns: "
+                               f"{', '.join(cols)})")  # fmt: skip
+        return given
     by_norm = {c.strip().lower(): c for c in cols}
     return next((by_norm[a] for a in ALIASES[key] if a in by_norm), None)
 

@@ -31,6 +31,18 @@ class Law:
     name: str = "custom"
     source: str = ""
 
+    def check_minimum(self) -> None:
+        """Compute-optimal allocation needs loss falling in N and in D (A, B, α, β > 0); else
+        the closed form gives a maximum, or a complex G for α < 0."""
+        bad = [f"{k}={getattr(self, k):.4g}" for k in ("A", "B", "alpha", "beta")
+               if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0)]  # fmt: skip
+        if bad:
+            raise ScalingError(
+                f"law {self.name!r} has {', '.join(bad)}: A, B, alpha and beta must be positive "
+                "(loss falling with model size and with data) for a compute-optimal allocation; "
+                "refit from runs where both help"
+            )
+
     @property
     def a(self) -> float:
         return self.beta / (self.alpha + self.beta)
@@ -49,6 +61,7 @@ class Law:
     def allocate(self, flops: float, k: float = 6.0) -> dict:
         if flops <= 0:
             raise ScalingError(f"compute must be positive, got {flops}")
+        self.check_minimum()
         n = self.G * (flops / k) ** self.a
         d = (flops / k) ** self.b / self.G
         return {
@@ -82,6 +95,7 @@ class Law:
         """Fixed model size: the compute (and tokens) for which N is the compute-optimal size."""
         if n <= 0:
             raise ScalingError("model size must be positive")
+        self.check_minimum()
         flops = k * (n / self.G) ** (1 / self.a)
         return self.allocate(flops, k)
 
@@ -89,6 +103,7 @@ class Law:
         """Fixed token budget: the compute (and model size) for which D is compute-optimal."""
         if d <= 0:
             raise ScalingError("token budget must be positive")
+        self.check_minimum()
         flops = k * (d * self.G) ** (1 / self.b)
         return self.allocate(flops, k)
 
@@ -108,13 +123,19 @@ def load_law(spec: str) -> Law:
     """A built-in name, or a JSON file written by `llmtrain scaling fit --json`."""
     if spec in BUILTIN_LAWS:
         return BUILTIN_LAWS[spec]
+    from llmtrain.scaling.registry import NOT_REGISTERED, REGISTRY
+
+    if spec in REGISTRY and REGISTRY[spec].kind == "dense":  # a registered dense law
+        spec_ = REGISTRY[spec]
+        k = spec_.coefficients
+        return Law(*(float(k[n]) for n in ("E", "A", "B", "alpha", "beta")), name=spec,
+                   source=f"{spec_.paper}, arXiv {spec_.arxiv}, {spec_.table}; {spec_.flops_model}")  # fmt: skip
     p = Path(spec)
     if not p.is_file():
-        from llmtrain.scaling.registry import NOT_REGISTERED, REGISTRY
-
         why = f" ({NOT_REGISTERED[spec]})" if spec in NOT_REGISTERED else ""
         raise ScalingError(
-            f"law {spec!r}{why} is neither built in (dense: {', '.join(BUILTIN_LAWS)}; MoE: "
+            f"law {spec!r}{why} is neither built in (dense: "
+            f"{', '.join([*BUILTIN_LAWS, *(k for k, v in REGISTRY.items() if v.kind == 'dense')])}; MoE: "
             f"{', '.join(k for k, v in REGISTRY.items() if v.kind != 'dense')}) nor a fit JSON file"
         )
     data = json.loads(p.read_text())

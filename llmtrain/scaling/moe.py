@@ -254,7 +254,7 @@ class MoERuns:
 
 COLUMNS = {  # accepted names, first match wins
     "n_act": ("active_params", "n_act", "N_act", "active", "N"),
-    "n_total": ("total_params", "n_total", "N_total", "total"),
+    "n_total": ("body_total_params", "total_params", "n_total", "N_total", "total"),
     "experts": ("experts", "E", "n_experts", "expansion"),
     "granularity": ("granularity", "G"),
     "D": ("tokens", "D"),
@@ -304,8 +304,16 @@ def moe_shape(model) -> dict:
             "top_k": model.num_experts_per_tok}  # fmt: skip
 
 
+def body_total_params(c) -> int:
+    """Total parameters outside the vocabulary matrices (input embedding, LM head): Krajewski et
+    al.'s N, d²·(8E + 4)·n_blocks. With them the granular law's N of a small model is 3-4x
+    larger (the debug family's), which bends the fitted size dependence."""
+    return c.total_params - c.embedding_params - c.lm_head_params
+
+
 def read_moe_run_dir(path: Path) -> MoERuns:
-    """A run directory as llmtrain.scaling.io reads it, plus E, G and total params from config.yaml."""
+    """A run directory as llmtrain.scaling.io reads it, plus E, G and the granular law's total
+    parameters (`body_total_params`) from config.yaml."""
     from llmtrain.accounting import count
     from llmtrain.config import load_config
     from llmtrain.scaling.io import read_run_dir
@@ -314,7 +322,7 @@ def read_moe_run_dir(path: Path) -> MoERuns:
     cfg = load_config(path / "config.yaml")
     s = moe_shape(cfg.model)
     n = len(r)
-    tot = count(cfg.model, seq_len=cfg.train.seq_len).total_params
+    tot = body_total_params(count(cfg.model, seq_len=cfg.train.seq_len))
     return MoERuns(r.N, np.full(n, float(tot)), np.full(n, s["experts"]),
                    np.full(n, s["granularity"]), r.D, r.loss, r.final, r.run)  # fmt: skip
 

@@ -22,6 +22,7 @@ from llmtrain.accounting import count
 from llmtrain.config import Config
 from llmtrain.scaling.family import Family, training_config, write_config
 from llmtrain.scaling.laws import Law, ScalingError
+from llmtrain.scaling.moe import body_total_params
 from llmtrain.scaling.sweep import MANIFEST
 
 
@@ -92,6 +93,7 @@ def config_for(fam: Family, n_act: float, flops: float, experts: int, granularit
     c = count(cfg.model, seq_len=cfg.train.seq_len)
     info.update(experts=experts, granularity=granularity, top_k=cfg.model.num_experts_per_tok,
                 n_routed_experts=cfg.model.n_routed_experts, total_params=c.total_params,
+                body_total_params=body_total_params(c),
                 active_non_embedding_params=c.active_non_embedding_params,
                 flops_6n_per_token=6 * c.active_params)  # fmt: skip
     return cfg, info

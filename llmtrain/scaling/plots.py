@@ -69,12 +69,11 @@ def plot_fits(runs: Runs, results: dict, out: Path) -> Path:
         ax.plot(cgrid, [law.allocate(c)["n_opt"] for c in cgrid], "k--",
                 label=f"approach3: N_opt ∝ C^{law.a:.3f}")  # fmt: skip
         s = a3.get("bootstrap", {}).get("samples")
-        if s:
+        rows = [row for row in (s or [])[:300] if min(row[1:5]) > 0]  # A, B, alpha, beta > 0:
+        if rows:  # a resample whose exponent is not positive has no optimum to draw
             from llmtrain.scaling.laws import Law
 
-            preds = np.array(
-                [[Law(*row[:5]).allocate(c)["n_opt"] for c in cgrid] for row in s[:300]]
-            )
+            preds = np.array([[Law(*row[:5]).allocate(c)["n_opt"] for c in cgrid] for row in rows])
             lo, hi = np.percentile(preds, [2.5, 97.5], axis=0)
             ax.fill_between(cgrid, lo, hi, color="gray", alpha=0.2, label="approach3 95% band")
     ax.set_xscale("log")

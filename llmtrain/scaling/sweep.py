@@ -159,8 +159,9 @@ def collect(sweep: Path, out_csv: Path | None = None) -> Path:
         loss = float("nan") if loss is None else loss  # a skipped last step's (written null)
         rows.append({"N": r["active_params"], "D": r["tokens"], "C": r["flops_per_token"] * r["tokens"],
                      "loss": loss, "budget": r["budget"], "run": r["name"]})  # fmt: skip
-        moe_cols = ("active_params", "total_params", "experts", "granularity", "top_k")
-        rows[-1].update({k: r[k] for k in moe_cols if "experts" in r})  # MoE sweeps (moe_sweep)
+        moe_cols = ("active_params", "total_params", "body_total_params", "experts",
+                    "granularity", "top_k")  # fmt: skip
+        rows[-1].update({k: r[k] for k in moe_cols if "experts" in r and k in r})  # MoE sweeps
     if not rows:
         raise ScalingError(
             f"no finished runs in {sweep}; run `llmtrain scaling sweep run {sweep}` first"
