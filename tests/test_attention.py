@@ -127,3 +127,21 @@ def test_model_with_document_mask_equals_dense_mask(debug_cfg, ckpt):
         grads.append(model.model.layers[0].self_attn.kv_b_proj.weight.grad.clone())
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("v_dim", [6, 8, 12])
+def test_one_head_dim_padding_leaves_attention_unchanged(v_dim):
+    """flash-attn takes one head dim: padding v up to q·k's, or q and k up to a larger v (a
+    v_head_dim above qk_nope + qk_rope), gives the same output once cut back to v's dim."""
+    import torch.nn.functional as F
+
+    from llmtrain.model.attention import one_head_dim, reference_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
+    v = torch.randn(2, 3, 5, v_dim, generator=g)
+    qq, kk, vv = one_head_dim(q, k, v)
+    assert qq.shape[-1] == kk.shape[-1] == vv.shape[-1] == max(8, v_dim)
+    got = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=0.3)[..., :v_dim]
+    want = reference_attention(q, k, v, 0.3, torch.ones(5, 5, dtype=torch.bool).tril())
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)

@@ -229,14 +229,26 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def one_head_dim(q_BHTE, k_BHSE, v_BHSV):
+    """flash-attn wants one head dim for q, k and v: v zero-padded up to q·k's (the padded
+    output columns are dropped after), or q and k up to v's (zeros add nothing to q·kᵀ; the
+    softmax scale is passed explicitly, so it stays that of the true dim)."""
+    e, v = q_BHTE.shape[-1], v_BHSV.shape[-1]
+    if v < e:
+        return q_BHTE, k_BHSE, F.pad(v_BHSV, (0, e - v))
+    if v > e:
+        return F.pad(q_BHTE, (0, v - e)), F.pad(k_BHSE, (0, v - e)), v_BHSV
+    return q_BHTE, k_BHSE, v_BHSV
+
+
 @torch.compiler.disable  # eager even inside a compiled block: cu_seqlens' length and the
 # longest document change every batch, and a graph specialised on them would recompile each step
 def _flash_varlen(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func  # optional, CUDA only
 
-    b, h, t, e = q_BHTE.shape
+    b, h, t, _ = q_BHTE.shape
     v = v_BHSV.shape[-1]
-    vv = F.pad(v_BHSV, (0, e - v)) if v < e else v_BHSV  # flash-attn wants one head dim
+    q_BHTE, k_BHSE, vv = one_head_dim(q_BHTE, k_BHSE, v_BHSV)
     cu, longest = mask.varlen()
 
     def flat(x_BHTX):  # [B·T, H, X]: the documents laid end to end
@@ -369,10 +381,10 @@ def attention(
     if backend == "flash" and mask is None and t == s:
         from flash_attn import flash_attn_func  # optional, CUDA only
 
-        e, v = q_BHTE.shape[-1], v_BHSV.shape[-1]
-        vv = F.pad(v_BHSV, (0, e - v)) if v < e else v_BHSV  # flash-attn wants one head dim
+        v = v_BHSV.shape[-1]
+        qq, kk, vv = one_head_dim(q_BHTE, k_BHSE, v_BHSV)
         out = flash_attn_func(
-            q_BHTE.transpose(1, 2), k_BHSE.transpose(1, 2), vv.transpose(1, 2),
+            qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
             softmax_scale=scale, causal=True,
         )  # fmt: skip
         return out[..., :v].transpose(1, 2)
