@@ -268,6 +268,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from llmtrain.errors import UsageError
     from llmtrain.eval import format_results, run_eval
 
+    for flag, v, ok, need in (("--batch-size", args.batch_size, args.batch_size >= 1, "1 or more"),
+                              ("--until-step", args.until_step, (args.until_step or 0) >= 0,
+                               "a step >= 0"),
+                              ("--poll", args.poll, args.poll > 0, "seconds > 0"),
+                              ("--idle-timeout", args.idle_timeout, (args.idle_timeout or 0) >= 0,
+                               "seconds >= 0")):  # fmt: skip
+        if not ok:  # before any export or wait (a negative batch size scored nothing: exit 0)
+            raise UsageError(f"{flag} {v}: give {need}")
     if any("=" in t for t in args.tasks):  # `--tasks a b x.y=z`: the overrides came after
         args.overrides = [*args.overrides, *(t for t in args.tasks if "=" in t)]
         args.tasks = [t for t in args.tasks if "=" not in t]

@@ -677,3 +677,13 @@ def test_watch_stops_at_the_last_step_the_run_saves(tmp_path, monkeypatch):
     assert res.finished and [r["step"] for r in res.rows] == [3]  # 5 lies between saves
     res = w.watch(later, ["t"], poll=0.01, timeout=0.1)
     assert not res.finished and res.rows == []  # step 7 is not saved yet
+
+
+def test_flat_metrics_keeps_each_filter_of_a_metric():
+    """gsm8k's exact_match under strict-match and flexible-extract are two numbers: named
+    METRIC/FILTER (the plain name for filter `none`), not one overwriting the other."""
+    res = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1,
+                             "exact_match,strict-match": 0.0, "exact_match,flexible-extract": 1.0,
+                             "exact_match_stderr,strict-match": 0.0}}}  # fmt: skip
+    assert flat_metrics(res) == {"eval/t/acc": 0.5, "eval/t/exact_match/strict-match": 0.0,
+                                 "eval/t/exact_match/flexible-extract": 1.0}  # fmt: skip

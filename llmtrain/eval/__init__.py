@@ -220,11 +220,15 @@ def run_eval(
 
 
 def flat_metrics(res: dict, prefix: str = "eval/") -> dict[str, float]:
-    """{'eval/TASK/METRIC': value} of the numbers in a results dict (for metrics.jsonl / TB)."""
+    """{'eval/TASK/METRIC': value} of the numbers in a results dict (for metrics.jsonl / TB);
+    a metric under a filter other than `none` is METRIC/FILTER (gsm8k's strict-match and
+    flexible-extract exact_match would otherwise overwrite each other)."""
     out = {}
     for task, metrics in res["results"].items():
         for key, v in metrics.items():
-            name = key.split(",")[0]  # "acc,none" -> "acc"
+            name, _, filt = key.partition(",")  # "acc,none" -> "acc"
+            if filt and filt != "none" and "stderr" not in name:
+                name = f"{name}/{filt}"
             # sample_len: how many documents were scored, not a metric
             if name in ("alias", "sample_len") or "stderr" in name or isinstance(v, bool):
                 continue
