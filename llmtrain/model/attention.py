@@ -520,7 +520,11 @@ class MLA(nn.Module):
         s_BHTS = _atleast_fp32(s_BHTS) * self.scale
         t, s = s_BHTS.shape[-2:]
         mask = _dense(mask)
-        m = mask if mask is not None else causal_mask(t, s, s_BHTS.device)
-        p_BHTS = masked_softmax(s_BHTS, m).to(c_BSR.dtype)
+        if mask is None:  # causal: every query has a key, no all-masked row to zero
+            m = causal_mask(t, s, s_BHTS.device)
+            p_BHTS = torch.softmax(s_BHTS.masked_fill(~m, float("-inf")), dim=-1)
+        else:
+            p_BHTS = masked_softmax(s_BHTS, mask)
+        p_BHTS = p_BHTS.to(c_BSR.dtype)
         ol_BHTR = torch.matmul(p_BHTS, c_BSR.unsqueeze(1))
         return torch.einsum("bhtr,hvr->bhtv", ol_BHTR, w_uv_HVR)

@@ -180,15 +180,13 @@ def fit_approach3(
         best = polished
     theta = best.x
     law = _law(theta)
-    try:
-        law.check_minimum()
-    except ScalingError:
+    if not (law.alpha > 0 and law.beta > 0):  # A, B, E are exponentials: positive
         raise ScalingError(
             f"approach 3's best fit has alpha={law.alpha:.4g}, beta={law.beta:.4g}: in these runs "
             "loss does not fall with both model size and data (larger runs under-trained or "
             "mis-tuned?), so no compute-optimal allocation follows; check the runs, or fit "
             "approach 2 (IsoFLOP parabolas)"
-        ) from None
+        )
     edge = []
     for k, v in zip(ORDER, theta):
         lo, hi = GRID[k].min(), GRID[k].max()
