@@ -273,6 +273,9 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 50
     eval_batches: int = 4
+    # validation sequences; 0: eval_batches global batches. A fixed count keeps runs of different
+    # global batch sizes (a scaling sweep's) on the same validation sequences
+    eval_sequences: int = 0
     save_every: int = 100
     keep_last: int = 2
     save_final: bool = True  # false: no checkpoint at the last step unless save_every falls there
@@ -301,6 +304,11 @@ class TrainConfig:
                      "eval_every", "eval_batches", "save_every", "keep_last",
                      "max_nonfinite"):  # fmt: skip
             _positive(prefix, name, getattr(self, name))
+        if not isinstance(self.eval_sequences, int) or self.eval_sequences < 0:
+            raise ConfigError(
+                f"{prefix}.eval_sequences={self.eval_sequences!r}: use a count of validation "
+                "sequences, or 0 for eval_batches global batches"
+            )
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: use 'fp32' or 'bf16'")
         if not all(isinstance(x, str) for x in self.eval_tasks):

@@ -480,11 +480,11 @@ def test_validation_sample_spans_the_split(monkeypatch):
     engine.train = lambda mode=True: None
     layout = types.SimpleNamespace(global_batch=8, micro_batch=4)
     ds = Seqs()
-    evaluate(engine, ds, layout, 0, 1, "cpu", 2, 0, False)
+    evaluate(engine, ds, layout, 0, 1, "cpu", 16, 0, False)
     first = list(ds.seen)
     assert len(first) == 16 and len(set(first)) == 16 and max(first) > 500
     ds.seen.clear()
-    evaluate(engine, ds, layout, 0, 1, "cpu", 2, 0, False)
+    evaluate(engine, ds, layout, 0, 1, "cpu", 16, 0, False)
     assert ds.seen == first
 
 

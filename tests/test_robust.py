@@ -495,7 +495,7 @@ def _eval_rank(rank, world, port, out):
     cfg = load_config(ROOT / "configs" / "debug.yaml")
     model = build_model(cfg.model, seed=5)
     layout = types.SimpleNamespace(global_batch=4, micro_batch=2)
-    loss = evaluate(model, _Seqs(cfg.model.vocab_size), layout, rank, world, "cpu", 2, 0, False)
+    loss = evaluate(model, _Seqs(cfg.model.vocab_size), layout, rank, world, "cpu", 8, 0, False)
     if rank == 0:
         out.write_text(repr(loss))
     dist.destroy_process_group()
@@ -548,12 +548,24 @@ def test_validation_shares_cover_every_sequence_once(monkeypatch, one_thread):
                 return model(*a, **kw)
 
             engine.train = model.train
-            evaluate(engine, ds, layout, rank, world, "cpu", 2, 0, False)
+            evaluate(engine, ds, layout, rank, world, "cpu", 8, 0, False)
             forwards.append(n[0])
         total = sum(totals)
         assert len(set(forwards)) == 1, (world, forwards)
         assert float(total[1]) == ds.n_seq, world  # every sequence counted exactly once
         assert abs(float(total[0] / total[1]) - ref) <= 1e-5 * abs(ref), world
+
+
+def test_validation_sample_is_eval_sequences_or_eval_batches_global_batches():
+    import types
+
+    from llmtrain.train.loop import val_sequences
+
+    t = load_config(ROOT / "configs" / "debug.yaml").train
+    layout = types.SimpleNamespace(global_batch=t.global_batch_size)
+    assert val_sequences(t, layout) == t.eval_batches * t.global_batch_size
+    t.eval_sequences = 5
+    assert val_sequences(t, layout) == 5
 
 
 @pytest.mark.slow

@@ -333,17 +333,24 @@ def test_allocate_to_config(tmp_path, capsys):
 
 def test_sweep_plan_writes_an_isoflop_grid(tmp_path, capsys):
     fam = ROOT / "configs" / "families" / "debug_family.yaml"
-    assert main(["scaling", "sweep", "plan", "--budgets", "3e11", "1e12", "--family", str(fam),
-                 "--out", str(tmp_path), "--sizes", "4"]) == 0  # fmt: skip
+    assert main(["scaling", "sweep", "plan", "--budgets", "3e11", "1e12", "1e14", "--family", str(fam),
+                 "--out", str(tmp_path), "--sizes", "4", "--hyper"]) == 0  # fmt: skip
     m = json.loads((tmp_path / "manifest.json").read_text())
     from llmtrain.config import load_config
 
-    for budget in (3e11, 1e12):
+    batches, val = set(), set()
+    for budget in (3e11, 1e12, 1e14):
         runs = [r for r in m["runs"] if r["budget"] == budget]
         assert len(runs) >= 3
         for r in runs:
-            load_config(tmp_path / r["config"])
+            t = load_config(tmp_path / r["config"]).train
             assert r["tokens"] * r["flops_per_token"] == pytest.approx(budget, rel=0.1)
+            batches.add(t.global_batch_size)
+            val.add(t.eval_sequences)
+    from llmtrain.scaling.family import Family
+
+    base = Family(fam).base.train  # every run scored on the family's validation sequences
+    assert len(batches) > 1 and val == {base.eval_batches * base.global_batch_size}, (batches, val)
     assert main(["scaling", "sweep", "run", str(tmp_path), "--print-commands"]) == 0
     assert "deepspeed --num_gpus 1 --module llmtrain.train" in capsys.readouterr().out
     with pytest.raises(ScalingError, match="no finished runs"):

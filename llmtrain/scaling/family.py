@@ -68,9 +68,12 @@ def training_config(
     """The family member nearest `n_target` active params, trained for `flops` FLOPs.
 
     With `hyper`, the global batch (tokens) and peak LR follow DeepSeek LLM (2024):
-    B_opt = 0.2920·C^0.3271, η_opt = 0.3118·C^−0.1250."""
+    B_opt = 0.2920·C^0.3271, η_opt = 0.3118·C^−0.1250. The validation sample stays the family
+    config's (eval_batches of its own global batch), so every run of a sweep is scored on the
+    same sequences whatever its batch."""
     cfg, n_active = fam.closest(n_target)
     t = cfg.train
+    t.eval_sequences = t.eval_sequences or t.eval_batches * t.global_batch_size
     fpt = count(cfg.model, seq_len=t.seq_len).flops_per_token
     tokens = flops / fpt
     if hyper:

@@ -364,7 +364,7 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         t1 = time.perf_counter()
         if done % t.eval_every == 0 or done == t.max_steps:
             record["val_loss"] = evaluate(
-                run.engine, run.val_ds, layout, rank, world, device, t.eval_batches,
+                run.engine, run.val_ds, layout, rank, world, device, val_sequences(t, layout),
                 run.train_ds.eos_id, cfg.data.doc_mask,
             )  # fmt: skip
         evals = periodic_evals(run, done)  # {} unless harness tasks are due
@@ -696,17 +696,24 @@ def _finish(run: _Run, final: dict, last_saved: int) -> None:
         )
 
 
+def val_sequences(t, layout) -> int:
+    """How many validation sequences an evaluation scores: train.eval_sequences, or eval_batches
+    global batches."""
+    return t.eval_sequences or t.eval_batches * layout.global_batch
+
+
 @torch.no_grad()
-def evaluate(engine, ds, layout, rank, world, device, n_batches, eos, doc_mask) -> float:
-    """Mean validation loss over `n_batches` global batches of validation sequences drawn by a
-    fixed permutation of the whole split (its first sequences would be its first files only):
-    the same sequences at every step, for every seed and at any world size. Ranks take
+def evaluate(engine, ds, layout, rank, world, device, n_seqs, eos, doc_mask) -> float:
+    """Mean validation loss over the first `n_seqs` validation sequences of a fixed permutation
+    of the whole split (its first sequences would be its first files only): the same sequences
+    at every step, for every seed and at any world size (a smaller sample is a prefix of a
+    larger one). Ranks take
     consecutive shares of ceil(n / world) sequences; the last shares are short (or empty), and
     a rank with nothing left in a round runs a weight-0 forward so every rank joins the same
     collectives."""
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    n = min(ds.n_seq, n_batches * layout.global_batch)
+    n = min(ds.n_seq, n_seqs)
     per = -(-n // world)
     order = permute(np.arange(n), ds.n_seq, seed=VAL_SEED, epoch=0)
     mine = order[rank * per : min((rank + 1) * per, n)].tolist()
