@@ -261,6 +261,25 @@ def test_cli_fit_recognises_common_columns_and_reports_degenerate_data(tmp_path,
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (name, err)
 
 
+def test_plotted_approach3_frontier_counts_compute_as_the_runs_do(tmp_path, monkeypatch):
+    """Runs whose C is 12·N·D (a sweep counts attention): the Approach 3 curve drawn against C
+    passes through Approach 2's IsoFLOP minima at those C, as it would at C = 6ND."""
+    from llmtrain.scaling import plots
+
+    r = _synthetic()
+    r = Runs(r.N, r.D, 2 * r.C, r.loss, r.final)
+    results = {"approach2": fit_approach2(r), "approach3": fit_approach3(r)}
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, out: figs.append(fig) or out)
+    plots.plot_fits(r, results, tmp_path / "fit.png")
+    (line,) = [x for x in figs[0].axes[1].get_lines() if x.get_label().startswith("approach3")]
+    cs, ns = line.get_data()
+    for m in results["approach2"]["minima"]:
+        assert np.interp(np.log(m["C"]), np.log(cs), np.log(ns)) == pytest.approx(
+            np.log(m["n_opt"]), abs=0.05
+        ), m["C"]
+
+
 def test_cli_fit_json_plot_and_law_round_trip(tmp_path, capsys):
     r = _synthetic(noise=0.002)
     f = tmp_path / "runs.csv"
