@@ -581,6 +581,31 @@ def test_a_restarted_watch_follows_the_runs_present_trajectory(tmp_path, monkeyp
     assert [r["step"] for r in res.rows] == [6] and not res.finished  # 8..12 still to come
 
 
+def test_watch_rows_name_the_sharded_scorers_overrides(tmp_path, monkeypatch):
+    """Scores under other overrides (train.dtype=bf16) are not taken for this watcher's: a
+    restart with the same overrides skips what is scored, with others scores again."""
+    import llmtrain.eval.watch as w
+
+    run = _fake_run(tmp_path, ["step_00000002", "step_00000004"], max_steps=4, save_every=2)
+    monkeypatch.setattr(w, "check_eval_args", lambda *a, **k: None)
+    seen = []
+
+    def score(snap):
+        seen.append(snap.name)
+        return {"results": {"t": {"a": 1.0}}}
+
+    def look(*overrides):
+        return [r["step"] for r in w.watch(run, ["t"], poll=0, evaluate=score, dtype="sharded",
+                                           overrides=list(overrides)).rows]  # fmt: skip
+
+    assert look("train.dtype=bf16") == [2, 4]
+    assert look("train.dtype=bf16") == []
+    assert look("train.dtype=fp32") == [2, 4]
+    assert look() == [2, 4] and len(seen) == 6
+    rows = [json.loads(x) for x in (run / w.RESULTS_FILE).read_text().splitlines()]
+    assert [r["overrides"] for r in rows][::2] == [["train.dtype=bf16"], ["train.dtype=fp32"], None]
+
+
 def test_eval_checks_what_needs_no_weights_before_the_export(checkpoint, tmp_path, monkeypatch):
     """Bad tasks, task files, --limit and a missing tokenizer are told before the model is
     exported (terabytes at 671B), each as one line naming what to fix."""

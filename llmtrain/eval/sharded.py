@@ -105,7 +105,7 @@ def watch_sharded(
                          between_looks=lambda: comm.broadcast_object(("wait", None)),
                          on_result=on_result, dtype="sharded", limit=scorer.limit,
                          max_length=scorer.max_length, include_path=scorer.include_path,
-                         **watch_kwargs)  # fmt: skip
+                         overrides=scorer.overrides, **watch_kwargs)  # fmt: skip
         finally:  # whatever ended the watch, the other ranks leave with it
             comm.broadcast_object(("stop", None))
 

@@ -149,6 +149,8 @@ def watch(
         "include_path": sorted(
             str(Path(p).resolve()) for p in eval_kwargs.get("include_path") or []
         ),
+        # the sharded scorer's a.b=c overrides, in order (train.dtype=bf16 changes the scores)
+        "overrides": list(eval_kwargs.get("overrides") or []) or None,
     }
     tb = _LazyTensorboard(run)
     res = WatchResult()
