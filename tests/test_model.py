@@ -154,7 +154,8 @@ def test_mtp_depths_take_the_normed_hidden_state(debug_cfg):
 
 def test_mtp_keeps_packed_documents_apart(debug_cfg):
     """Changing only document A must not move the MTP loss scored on document B: the MTP block
-    reads the main model's document mask, cut to its positions."""
+    reads the main model's document mask, cut to its positions, and a depth whose input token
+    lies in the next document scores nothing there (its target is that document's)."""
     from llmtrain.model.attention import DocumentMask
 
     cfg = dataclasses.replace(debug_cfg.model, mtp_depth=2)
@@ -166,8 +167,7 @@ def test_mtp_keeps_packed_documents_apart(debug_cfg):
     x2[:, :9] = torch.randint(1, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     lab = torch.roll(x1, -1, 1)
     lab[:, -1] = -100
-    lab[:, :10] = -100  # depth k scores labels[:, k:]: positions >= 10 - k of doc B's rows only
-    lab[:, 10:12] = -100
+    lab[:, :10] = -100  # the targets are doc B's: x[10] on (the main model's from doc A's EOS)
     with torch.no_grad():
         o1, o2 = (
             model(x, labels=lab, attention_mask=DocumentMask.from_eos(x, eos)) for x in (x1, x2)

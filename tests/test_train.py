@@ -159,6 +159,24 @@ def test_checkpoints_of_an_earlier_release_resume():
         _check_resumed_config(yaml.safe_dump(old), yarn)
 
 
+def test_a_changed_schedule_warns_only_of_a_real_learning_rate_jump():
+    """Resumed at step 5 inside the warmup with max_steps 400 -> 800: step 6 has the same LR
+    under both schedules (consecutive warmup steps differ, which is no jump); after the warmup
+    the cosine is another one."""
+    import yaml
+
+    from llmtrain.config import load_config
+    from llmtrain.train.loop import _check_resumed_config
+
+    from .conftest import ROOT
+
+    old = load_config(ROOT / "configs" / "debug.yaml", ["train.max_steps=400"])
+    new = load_config(ROOT / "configs" / "debug.yaml", ["train.max_steps=800"])
+    saved = yaml.safe_dump(old.to_dict(), sort_keys=False)
+    assert not any("learning rate" in w for w in _check_resumed_config(saved, new, {"step": 5}))
+    assert any("learning rate jumps" in w for w in _check_resumed_config(saved, new, {"step": 100}))
+
+
 def test_resume_refuses_another_tokenizer_and_names_changed_data(tmp_path):
     """Files added to the data folder re-prepare it under a new fingerprint, and with
     data.tokenizer=train a new BPE: every id would mean another token. The resume refuses

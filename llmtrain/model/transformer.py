@@ -322,7 +322,13 @@ class Transformer(nn.Module):
             self.count_loads(mod.block)
             aux = aux + a
             h_BTD = mod.norm(x_BTD)
-            losses.append(self.lm_head(h_BTD, labels[:, k:]))
+            lab = labels[:, k:]
+            if isinstance(mask, DocumentMask):  # input token t_{i+k} in another document than
+                # position i: its target belongs to the next document (Megatron-Core's packed
+                # MTP rolls each document on its own and masks these positions)
+                doc = mask.doc_BT
+                lab = lab.masked_fill(doc[:, k:] != doc[:, :n], -100)
+            losses.append(self.lm_head(h_BTD, lab))
         return torch.stack(losses).mean(), aux
 
     @torch.no_grad()
