@@ -381,3 +381,17 @@ def test_overwrite_never_deletes_a_run_or_other_files(ep_run, tmp_path):
     ) == before
     out = export(ep_run, tmp_path / "hf", dtype="fp32")
     assert export(ep_run, out, dtype="bf16", overwrite=True) == out  # an export: replaced
+
+
+def test_verify_passes_when_the_prompt_holds_the_pad_id(tmp_path):
+    """verify()'s random prompt holds token 0 at vocab 96 (seed 0), the pad_token_id it gives
+    transformers' generate: without an explicit attention mask transformers masked that token
+    and the greedy texts differed on a correct export."""
+    from llmtrain.export.verify import verify
+
+    hf = make_hf_model(seed=1)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert 0 in ids[0, :8]  # the case this test is about
+    v = verify(tmp_path, tmp_path)
+    assert v["max_abs_logit_diff"] <= v["bound"] and v["generate_equal"], v

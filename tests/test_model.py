@@ -548,3 +548,33 @@ def test_fused_input_projections_match_separate(debug_cfg):
         assert (a is None) == (b is None), n
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_generate_left_padded_batch_and_chunked_prefill(debug_cfg, monkeypatch):
+    """A left-padded batch (attention_mask as transformers' generate takes it) gives each row
+    the tokens it gets alone, cached or not; the prompt is prefilled PREFILL tokens a forward
+    and only the last position's logits are computed (no [B, T, V], no [B, H, T, T] scores)."""
+    import sys
+
+    G = sys.modules["llmtrain.model.generate"]  # the package re-exports the function by that name
+
+    model = build_model(debug_cfg.model, dtype=torch.float64, seed=7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)
+    a, b = _ids(debug_cfg.model, b=1, t=11, seed=1), _ids(debug_cfg.model, b=1, t=4, seed=2)
+    batch = torch.zeros(2, 11, dtype=torch.long)
+    am = torch.zeros_like(batch)
+    batch[0], am[0] = a[0], 1
+    batch[1, 7:], am[1, 7:] = b[0], 1
+    want = [generate(model, a, 12)[0, 11:], generate(model, b, 12)[0, 4:]]
+    monkeypatch.setattr(G, "PREFILL", 4)
+    rows = []
+    orig = model.lm_head.forward
+    monkeypatch.setattr(
+        model.lm_head, "forward", lambda h, *x: rows.append(h.shape[:-1]) or orig(h, *x)
+    )
+    for use_cache in (True, False):
+        got = generate(model, batch, 12, attention_mask=am, use_cache=use_cache)[:, 11:]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), use_cache
+    assert all(r == (2,) or r == (0,) for r in rows), rows  # logits of the last positions only

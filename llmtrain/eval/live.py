@@ -42,7 +42,8 @@ from lm_eval.models.utils import (
 )
 
 from llmtrain.eval import EvalError
-from llmtrain.model.attention import MLACache, causal_mask
+from llmtrain.model.attention import MLACache
+from llmtrain.model.generate import PREFILL, decode_step, prefill
 from llmtrain.parallel import comm
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
@@ -80,7 +81,7 @@ class TrainingModelLM(TemplateLM):
     limit)."""
 
     ROWS = 1024  # positions turned into fp32 log-probabilities at once
-    PREFILL = 512  # context tokens per forward when generating (latent-cache scores are T x S)
+    PREFILL = PREFILL  # context tokens per forward when generating (a test sets a small one)
 
     def __init__(self, model, tokenizer, eot_id: int, max_length: int, batch_size: int = 8,
                  device: torch.device | str = "cpu", forward=None):  # fmt: skip
@@ -228,10 +229,8 @@ class TrainingModelLM(TemplateLM):
         """Greedy decoding of this rank's batch against the latent cache, in step with the other
         ranks: a sharded model's forward is collective, so every rank pads to the longest
         context on any rank and decodes until every rank's batch has stopped. Contexts are
-        left-padded: padding is masked out of every other position's keys, positions count real
-        tokens only, and a padding query attends to itself (a row of -inf would turn into NaN
-        and reach the real tokens through the values). The contexts go in PREFILL tokens at a
-        time; each forward returns one row of logits per sequence. `idle`: a stand-in batch
+        left-padded and go in PREFILL tokens a forward (llmtrain.model.generate.prefill: pads
+        masked out, positions of real tokens only, one row of logits a sequence). `idle`: a stand-in batch
         (this rank has no requests left) that only joins the forwards, stopped from the start."""
         n, longest = len(ids), max(len(x) for x in ids)
         if self.n_ranks > 1:
@@ -243,18 +242,8 @@ class TrainingModelLM(TemplateLM):
             x_BL[j, longest - len(x) :] = torch.tensor(x, dtype=torch.long)
             real_BL[j, longest - len(x) :] = True
         x_BL, real_BL = x_BL.to(dev), real_BL.to(dev)
-        pos_BL = (real_BL.long().cumsum(-1) - 1).clamp(min=0)
         cache = MLACache(self.model.cfg.num_layers)
-        for a in range(0, longest, self.PREFILL):
-            b = min(a + self.PREFILL, longest)
-            mask_BTS = causal_mask(b - a, b, dev)[None] & real_BL[:, None, :b]
-            mask_BTS[:, torch.arange(b - a), torch.arange(a, b)] = True
-            last = (torch.arange(n, device=dev) + 1) * (b - a) - 1 if b == longest else None
-            logits_BV = self.model(x_BL[:, a:b], cache=cache, position_ids=pos_BL[:, a:b],
-                                   attention_mask=mask_BTS[:, None],
-                                   logits_at=last if last is not None else pos_BL.new_zeros(0),
-                                   ).logits  # fmt: skip
-        keys_BS, pos_B1 = real_BL, pos_BL[:, -1:]
+        logits_BV, state = prefill(self.model, x_BL, real_BL, cache, self.PREFILL)
         new: list[list[int]] = [[] for _ in range(n)]
         done = [idle] * n
         for _ in range(max_new):
@@ -271,11 +260,7 @@ class TrainingModelLM(TemplateLM):
                 comm.all_reduce(running)
             if not int(running):
                 break
-            keys_BS = torch.cat([keys_BS, keys_BS.new_ones(n, 1)], dim=1)
-            pos_B1 = pos_B1 + 1
-            logits_BV = self.model(nxt_B[:, None], cache=cache, position_ids=pos_B1,
-                                   attention_mask=keys_BS[:, None, None, :],
-                                   logits_at=torch.arange(n, device=dev)).logits  # fmt: skip
+            logits_BV, state = decode_step(self.model, nxt_B, cache, state)
         return new
 
 

@@ -38,9 +38,13 @@ def verify(
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, ours.cfg.vocab_size, (prompts, seq), generator=g)
     diff = (hf(ids).logits.float() - ours(ids).logits.float()).abs().max().item()
-    ref_tokens = hf.generate(ids[:1, :8], max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=0)  # fmt: skip
-    our_tokens = generate(ours, ids[:1, :8], new_tokens)
+    # an explicit all-ones mask: without one transformers infers it from pad_token_id and masks
+    # every prompt token equal to it (token 0 of the random prompt), which our model does not
+    prompt = ids[:1, :8]
+    ref_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             do_sample=False, min_new_tokens=new_tokens, eos_token_id=None,
+                             pad_token_id=0)  # fmt: skip
+    our_tokens = generate(ours, prompt, new_tokens)
     same = bool(torch.equal(ref_tokens, our_tokens))
     return {
         "max_abs_logit_diff": diff,
