@@ -281,6 +281,9 @@ class TrainConfig:
     save_final: bool = True  # false: no checkpoint at the last step unless save_every falls there
     async_save: bool = False  # copy the state, write it in the background while training goes on
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    # stop with a checkpoint at the first step boundary this many minutes after the launch
+    # (0: never); set it below the job's wall time by a step and a save
+    time_limit_minutes: float = 0.0
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder block (llmtrain.train.compile); ZeRO 1-2
     # torch.compile's mode for those blocks: default | reduce-overhead (CUDA graphs: one launch
@@ -304,6 +307,9 @@ class TrainConfig:
                      "eval_every", "eval_batches", "save_every", "keep_last",
                      "max_nonfinite"):  # fmt: skip
             _positive(prefix, name, getattr(self, name))
+        if not self.time_limit_minutes >= 0:
+            raise ConfigError(f"{prefix}.time_limit_minutes={self.time_limit_minutes}: use "
+                              "minutes > 0, or 0 for no limit")  # fmt: skip
         if not isinstance(self.eval_sequences, int) or self.eval_sequences < 0:
             raise ConfigError(
                 f"{prefix}.eval_sequences={self.eval_sequences!r}: use a count of validation "

@@ -41,7 +41,8 @@ def test_overrides_are_typed_and_nested():
     assert cfg.train.max_steps == 1000 and cfg.data.sources[0]["weight"] == 0.1
     assert cfg.data.tokenizer == "5e8" and parse_overrides(["a=1e"]) == {"a": "1e"}
     for bad, what in (("train.eval_batches=0", "eval_batches"), ("data.max_bytes=-1", "max_bytes"),
-                      ("train.eval_sequences=-1", "eval_sequences")):  # fmt: skip
+                      ("train.eval_sequences=-1", "eval_sequences"),
+                      ("train.time_limit_minutes=-5", "time_limit_minutes")):  # fmt: skip
         with pytest.raises(ConfigError, match=what):
             load_config(ROOT / "configs" / "debug.yaml", [bad])
 

@@ -159,6 +159,39 @@ def test_checkpoints_of_an_earlier_release_resume():
         _check_resumed_config(yaml.safe_dump(old), yarn)
 
 
+def test_time_limit_and_stop_file_stop_with_a_checkpoint(tmp_path, cache):
+    """train.time_limit_minutes stops at the first step boundary past it; RUN/STOP written
+    during a launch stops that launch and is removed (one left from before is not taken), and
+    resume=auto then trains on to the end."""
+    import os
+    import subprocess
+    import time
+
+    from .train_utils import env, train_cmd
+
+    run = tmp_path / "run"
+    p = run_train(run, 1, base(cache, "train.time_limit_minutes=1e-6"), check=False)
+    assert p.returncode == 2 and "stopped by train.time_limit_minutes after step 1" in p.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000001"
+    stale = run / "STOP"
+    stale.write_text("")
+    os.utime(stale, (1, 1))  # from an earlier launch: not this one's
+    proc = subprocess.Popen(train_cmd(run, 1, base(cache, "resume=auto")), cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    lines = lambda: (run / "metrics.jsonl").read_text().count("\n")  # noqa: E731 (no torn line)
+    while lines() < 4 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    (run / "STOP").write_text("")  # this launch's: stop
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "stopped by RUN/STOP (removed) after step" in err, err[-2000:]
+    step = int(err.split("stopped by RUN/STOP (removed) after step ")[1].split(":")[0])
+    assert 4 <= step < STEPS and not (run / "STOP").exists()
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    run_train(run, 1, base(cache, "resume=auto"))
+    assert metrics(run)[-1]["step"] == STEPS
+
+
 def test_a_changed_schedule_warns_only_of_a_real_learning_rate_jump():
     """Resumed at step 5 inside the warmup with max_steps 400 -> 800: step 6 has the same LR
     under both schedules (consecutive warmup steps differ, which is no jump); after the warmup

@@ -36,7 +36,7 @@ from llmtrain.train.compile import uses_cuda_graphs
 from llmtrain.train.evals import check_eval_tasks, periodic_evals
 from llmtrain.train.metrics import MetricsLogger, peak_flops_per_device
 from llmtrain.train.schedule import lr_at
-from llmtrain.train.signals import StopOnSignal
+from llmtrain.train.signals import STOP_FILE, STOP_FILE_NAME, StopOnSignal
 
 logger = logging.getLogger(__name__)
 VAL_SEED = 0x5EED  # the validation sample: one for every run
@@ -204,6 +204,7 @@ def _check_init_from(hf_model, ours, path) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bool = False) -> dict:
     """Run (or continue) training; returns the final metrics. All ranks call it."""
+    started = time.time()  # train.time_limit_minutes counts the set-up too: it is the job's
     from llmtrain.parallel import ops
     from llmtrain.parallel.engine import (
         Engine,
@@ -233,7 +234,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
         lock = _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite,
                                 rank)  # fmt: skip
         comm.barrier()
-        with StopOnSignal() as stop:
+        with StopOnSignal(started=started) as stop:
             return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
                           make_dispatcher, stop)  # fmt: skip
     finally:
@@ -387,12 +388,16 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
             _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
             save_s += time.perf_counter() - t2
             last_saved = done
+        if rank == 0:  # rank 0's clock and view of RUN/STOP decide for all
+            stop.check_requests(run_dir, t.time_limit_minutes)
         signum = stop.agreed()  # collective: every rank stops at the same step
         if signum is not None and done < t.max_steps:
             if last_saved != done and run.nonfinite_in_row == 0:
                 _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
                 last_saved = done
             _wait_saves(run, metrics)
+            if signum == STOP_FILE and rank == 0:  # taken: the next launch trains on
+                (run_dir / STOP_FILE_NAME).unlink(missing_ok=True)
             metrics.close()
             raise AgreedStop(_stopped_message(stop.name(signum), done, last_saved, run_dir))
     _wait_saves(run, metrics)

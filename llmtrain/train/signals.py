@@ -1,4 +1,5 @@
-"""SIGTERM / SIGINT during training: stop at the next step boundary with a checkpoint.
+"""SIGTERM / SIGINT during training (or train.time_limit_minutes, or a RUN/STOP file): stop at
+the next step boundary with a checkpoint.
 
 Why a collective flag: under the deepspeed launcher each rank gets the signal at its own moment
 (Ctrl-C reaches every process of the terminal's group; a scheduler that signals the job's
@@ -33,14 +34,21 @@ logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FORCE_AFTER_S = 2.0
+# stops asked for without a signal, agreed on like one (codes above any signal number): the
+# save they lead to is not bound by the launcher's 30 s grace, which a large model's may need
+TIME_LIMIT, STOP_FILE = 1001, 1002
+STOP_FILE_NAME = "STOP"  # RUN/STOP, written during this launch: stop at the next step boundary
 
 
 class StopOnSignal:
     """Context manager: records SIGTERM/SIGINT while active; `agreed()` is the collective check."""
 
-    def __init__(self, watch_launcher: bool = True) -> None:
+    def __init__(self, watch_launcher: bool = True, started: float | None = None) -> None:
         self.received: int | None = None
         self.at = 0.0
+        # when this launch began (time.time()): train.time_limit_minutes counts from it, and a
+        # RUN/STOP older than it asked an earlier launch to stop
+        self.started = time.time() if started is None else started
         self.armed = False
         self._old: dict[int, object] = {}
         self._watch = watch_launcher
@@ -94,6 +102,22 @@ class StopOnSignal:
                     self.received, self.at = int(signal.SIGTERM), time.monotonic()
                 return
 
+    def request(self, code: int) -> None:
+        """A stop without a signal (TIME_LIMIT, STOP_FILE), taken at the next `agreed()`."""
+        if self.received is None:
+            self.received, self.at = code, time.monotonic()
+
+    def check_requests(self, run_dir, limit_minutes: float) -> None:
+        """Rank 0 at each step boundary: the time limit passed, or RUN/STOP written since this
+        launch began (one stat a step)."""
+        if limit_minutes and time.time() - self.started >= limit_minutes * 60:
+            self.request(TIME_LIMIT)
+        try:
+            if os.stat(os.path.join(run_dir, STOP_FILE_NAME)).st_mtime >= self.started:
+                self.request(STOP_FILE)
+        except OSError:
+            pass
+
     def agreed(self) -> int | None:
         """Collective: the signal number if any rank received one, else None (same on all)."""
         import torch.distributed as dist
@@ -108,6 +132,10 @@ class StopOnSignal:
 
     @staticmethod
     def name(signum: int) -> str:
+        if signum == TIME_LIMIT:
+            return "train.time_limit_minutes"
+        if signum == STOP_FILE:
+            return f"RUN/{STOP_FILE_NAME} (removed)"
         return signal.Signals(signum).name
 
 
