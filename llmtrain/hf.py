@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -481,6 +482,8 @@ def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None, partition=Non
     needs it. Raises ValueError naming what does not match."""
     from safetensors import safe_open
 
+    from llmtrain.model.moe import Router
+
     path = Path(path)
     files = _hf_files(path)
     sources = _hf_sources(files, cfg)
@@ -528,9 +531,15 @@ def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None, partition=Non
             if part is not None:
                 start, numel, local = part
                 shape = tuple(getattr(w, "ds_shape", w.shape))
+                rows = _source_rows(model, ours, shape, sources[ours], read, path)
                 if numel > 0:
-                    rows = _source_rows(model, ours, shape, sources[ours], read, path)
                     local.narrow(0, 0, numel).copy_(_flat_range(rows, shape, start, numel))
+                gate = model.get_submodule(ours.rsplit(".", 1)[0]) if "." in ours else None
+                if isinstance(gate, Router) and local.dtype != torch.float32:
+                    # a router partitioned in bf16: the file's exact values, whole (each rank
+                    # routes with all of them), for the engine's fp32 master and routing copy
+                    full = math.prod(shape)
+                    gate.exact_fp32_weight = _flat_range(rows, shape, 0, full).float().view(shape)
             else:
                 with whole(w) if is_param else contextlib.nullcontext():
                     rows = _source_rows(model, ours, tuple(w.shape), sources[ours], read, path)

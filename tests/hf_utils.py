@@ -29,6 +29,14 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 
+# configs/debug.yaml's model as a transformers config (train.init_from tests)
+DEBUG_HF = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                first_k_dense_replace=1, routed_scaling_factor=1.0, max_position_embeddings=512,
+                initializer_range=0.05)  # fmt: skip
+
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,

@@ -231,6 +231,28 @@ def _one_rank_worker(rank: int, world: int, port: int, stage: int, out: str) -> 
     Path(out, f"stage{stage}.json").write_text(json.dumps(res))
 
 
+def _router_init_worker(rank: int, world: int, port: int, stage: int, hf_dir: str, out: str):
+    """The routers' fp32 masters and routing copies as the trainer builds them (bf16), from the
+    seed and from train.init_from."""
+    _setup(rank, world, port)
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from llmtrain.config import load_config
+    from llmtrain.parallel.engine import init_distributed
+    from llmtrain.parallel.layout import make_layout
+    from llmtrain.train.loop import build_model_and_engine
+
+    cfg = load_config(CFG, ["train.dtype=bf16", f"parallel.zero_stage={stage}"])
+    init_distributed("gloo")
+    res = {}
+    for how, init_from in (("seed", None), ("init_from", hf_dir)):
+        model, _ = build_model_and_engine(cfg, make_layout(cfg, world), torch.device("cpu"),
+                                          init_from=init_from)  # fmt: skip
+        res[how] = [(safe_get_full_fp32_param(m.gate.weight).clone(), m.gate.fp32_weight.clone())
+                    for m in model.moe_layers()]  # fmt: skip
+    torch.save(res, Path(out, f"stage{stage}.pt"))
+
+
 def _spawn(fn, world: int, *args) -> None:
     from tests.train_utils import free_port, run_then_exit
 
@@ -302,6 +324,28 @@ def test_bf16_loss_tracks_fp32(tmp_path):
     diff = [abs(a - b) for a, b in zip(f32, b16)]
     assert max(diff[:10]) < EARLY_ATOL, f"bf16 - fp32 loss per step: {diff}"
     assert sum(diff[-10:]) / 10 < LATE_MEAN_ATOL, f"bf16 - fp32 loss per step: {diff}"
+
+
+def test_bf16_zero3_routers_start_from_exact_fp32_weights(tmp_path):
+    """ZeRO-3 builds every weight in bf16 (zero.Init): its routers' fp32 masters and routing
+    copies are still the seed's fp32 draw (as ZeRO-1 builds them, in fp32) and, from
+    train.init_from, the file's fp32 values, not their bf16 rounding."""
+    pytest.importorskip("deepspeed")
+    from .hf_utils import DEBUG_HF, make_hf_model
+
+    hf = make_hf_model(seed=3, **DEBUG_HF)
+    hf.save_pretrained(tmp_path / "hf")
+    want = [w.float() for n, w in hf.state_dict().items() if n.endswith("mlp.gate.weight")]
+    for stage in (1, 3):
+        _spawn(_router_init_worker, 1, stage, str(tmp_path / "hf"), str(tmp_path))
+    z1, z3 = (torch.load(tmp_path / f"stage{s}.pt") for s in (1, 3))
+    for how, ref in (("seed", [m for m, _ in z1["seed"]]), ("init_from", want)):
+        assert len(z3[how]) == len(ref) == 2
+        for (master, routing), r in zip(z3[how], ref):
+            assert (r.bfloat16().float() != r).any()  # not bf16 values: the rounding would show
+            assert torch.equal(master, r) and torch.equal(routing, r), how
+    for (master, _), r in zip(z1["init_from"], want):
+        assert torch.equal(master, r)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from llmtrain.export import ExportError, export, save_consolidated
 
 from .conftest import ROOT
 from .fake_hub import TOKEN, FakeHub
-from .hf_utils import make_hf_model
+from .hf_utils import DEBUG_HF, make_hf_model
 from .train_utils import run_train
 
 
@@ -251,11 +251,7 @@ def test_init_from_hf_checkpoint_starts_training_there(tmp_path, cache):
     """Continued pre-training: the first logged loss is the HF model's loss on that batch."""
 
     cfg = load_config(ROOT / "configs" / "debug.yaml", [f"data.cache_dir={cache}"])
-    hf_cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                  n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.0, max_position_embeddings=512)  # fmt: skip
-    hf = make_hf_model(seed=6, **{**hf_cfg, "initializer_range": 0.05})
+    hf = make_hf_model(seed=6, **DEBUG_HF)
     hf.save_pretrained(tmp_path / "hf")
     run = tmp_path / "run"
     run_train(run, 1, ["train.max_steps=1", "train.warmup_steps=1", f"data.cache_dir={cache}", "train.sample_tokens=0",
@@ -291,12 +287,7 @@ def test_init_from_at_ep2_gives_the_hf_models_first_loss(tmp_path, cache, stage)
     the HF model's loss on the step's batch, as at one rank."""
 
     cfg = load_config(ROOT / "configs" / "debug.yaml", [f"data.cache_dir={cache}"])
-    hf_cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                  n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.0, max_position_embeddings=512,
-                  initializer_range=0.05)  # fmt: skip
-    hf = make_hf_model(seed=7, **hf_cfg)
+    hf = make_hf_model(seed=7, **DEBUG_HF)
     hf.save_pretrained(tmp_path / "hf")
     run = tmp_path / "run"
     run_train(run, 2, ["train.max_steps=1", "train.warmup_steps=1", f"data.cache_dir={cache}", "train.sample_tokens=0",

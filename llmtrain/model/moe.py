@@ -105,6 +105,9 @@ class Router(nn.Module):
         # Persistent (HF checkpoints carry it); updated by the aux-loss-free rule, never by grads.
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         self.fp32_weight: torch.Tensor | None = None  # not a buffer: no cast, no state_dict
+        # exact fp32 values for a weight held in a lower precision before the engine exists
+        # (ZeRO-3 builds routers in the training dtype); the engine takes them and clears this
+        self.exact_fp32_weight: torch.Tensor | None = None
 
     def set_fp32_weight(self, w_ED: torch.Tensor | None) -> None:
         """Route with these fp32 values (the optimizer's master weight) while `weight` is not fp32."""

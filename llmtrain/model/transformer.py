@@ -28,7 +28,7 @@ from llmtrain.model.attention import (
 )
 from llmtrain.model.layers import MLP, RMSNorm, RotaryEmbedding
 from llmtrain.model.loss import LMHead
-from llmtrain.model.moe import Experts, MoE
+from llmtrain.model.moe import Experts, MoE, Router
 
 
 class ModelOutput(dict):
@@ -178,11 +178,21 @@ class Transformer(nn.Module):
             if isinstance(mod, Experts):
                 for pn in ("w_gate_up", "w_down"):
                     offsets[f"{name}.{pn}"] = mod.offset
+        routers = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, Router)}
         for name, p in self.named_parameters():
             with whole(p):
                 if p.dim() < 2:
                     continue
-                if name in offsets:
+                gate = routers.get(name)
+                if gate is not None and p.dtype != torch.float32:
+                    # a router built in the training dtype (ZeRO-3's zero.Init casts every
+                    # weight): keep the exact fp32 draw for the engine's master copy, as the
+                    # fp32 router of the other layouts gives it
+                    w = torch.empty(p.shape, device=p.device, dtype=torch.float32)
+                    _normal(w, std, _generator(p, seed, name))
+                    p.copy_(w)
+                    gate.exact_fp32_weight = w
+                elif name in offsets:
                     for i in range(p.shape[0]):
                         _normal(p[i], std, _generator(p, seed, f"{name}.{offsets[name] + i}"))
                 else:

@@ -469,10 +469,15 @@ class Engine:
         if effective_zero_stage(cfg, layout) == 3:
             register_external_weights(model)
         self.ds_config = deepspeed_config(cfg, layout)
-        fp32_routers = [  # exact values, before the engine casts them (none when partitioned)
-            None if hasattr(g.weight, "ds_id") else g.weight.detach().float().clone()
+        fp32_routers = [  # exact values, before the engine casts them; partitioned (ZeRO-3):
+            # the exact fp32 values init or train.init_from kept aside, where they did
+            getattr(g, "exact_fp32_weight", None)
+            if hasattr(g.weight, "ds_id")
+            else g.weight.detach().float().clone()
             for g in routers(model)
         ]
+        for g in routers(model):
+            g.exact_fp32_weight = None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=self.ds_config
         )
@@ -684,6 +689,7 @@ class WeightsEngine:
             m.keep_routing_state_fp32()
         self._fp32_router = {}  # id(router weight) -> its full fp32 values (when not fp32 itself)
         for gate in routers(model):
+            gate.exact_fp32_weight = None  # the checkpoint's values replace the init's
             w = gate.weight
             if w.dtype != torch.float32:
                 shape = tuple(getattr(w, "ds_shape", w.shape))
