@@ -569,6 +569,7 @@ def test_generate_left_padded_batch_and_chunked_prefill(debug_cfg, monkeypatch):
     batch[1, 7:], am[1, 7:] = b[0], 1
     want = [generate(model, a, 12)[0, 11:], generate(model, b, 12)[0, 4:]]
     monkeypatch.setattr(G, "PREFILL", 4)
+    assert torch.equal(generate(model, a, 12)[0, 11:], want[0])  # chunked, no padding
     rows = []
     orig = model.lm_head.forward
     monkeypatch.setattr(

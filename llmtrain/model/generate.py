@@ -43,10 +43,10 @@ def _prompt_mask(real_BS: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 def prefill(model, x_BL: torch.Tensor, real_BL: torch.Tensor | None, cache: MLACache,
             chunk: int | None = None):  # fmt: skip
-    """Run left-padded prompts into `cache`, `chunk` tokens a forward, so the scores stay
-    [B, H, chunk, S] (default PREFILL) and only the last position's logits are made. `real_BL` (None: no padding)
-    marks real tokens: pads are masked out of every key, positions count real tokens only.
-    Returns the last position's logits [B, V] and the state `decode_step` goes on from."""
+    """Run left-padded prompts into `cache`, `chunk` tokens a forward (default PREFILL), so the
+    scores stay [B, H, chunk, S] and only the last position's logits are made. `real_BL` (None:
+    no padding) marks real tokens: pads are masked out of every key, positions count real tokens
+    only. Returns the last position's logits [B, V] and the state `decode_step` goes on from."""
     n, longest = x_BL.shape
     dev = x_BL.device
     chunk = chunk or PREFILL
