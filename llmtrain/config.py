@@ -281,8 +281,9 @@ class TrainConfig:
     save_final: bool = True  # false: no checkpoint at the last step unless save_every falls there
     async_save: bool = False  # copy the state, write it in the background while training goes on
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
-    # stop with a checkpoint at the first step boundary this many minutes after the launch
-    # (0: never); set it below the job's wall time by a step and a save
+    # stop with a checkpoint at the first step boundary this many minutes after the job began
+    # (SLURM_JOB_START_TIME, else the trainer's start; 0: never): the job's wall time less a
+    # step and a save
     time_limit_minutes: float = 0.0
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder block (llmtrain.train.compile); ZeRO 1-2

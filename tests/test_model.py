@@ -579,3 +579,8 @@ def test_generate_left_padded_batch_and_chunked_prefill(debug_cfg, monkeypatch):
         got = generate(model, batch, 12, attention_mask=am, use_cache=use_cache)[:, 11:]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), use_cache
     assert all(r == (2,) or r == (0,) for r in rows), rows  # logits of the last positions only
+    for bad in (am.flip(1), am[:, :5]):  # right padding; a mask of another shape
+        with pytest.raises(ValueError, match="pad on the left"):
+            generate(model, batch, 2, attention_mask=bad)
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        generate(model, batch[:, :0], 2)

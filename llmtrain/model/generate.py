@@ -33,6 +33,11 @@ def sample_next(
     )
 
 
+def _positions(real_BS: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that count real tokens only (left pads sit at 0)."""
+    return (real_BS.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _prompt_mask(real_BS: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """[B, 1, b - a, b]: queries a..b-1 see earlier real keys; a padding query sees itself (a row
     of -inf would give NaN, which reaches real tokens through the values)."""
@@ -48,9 +53,11 @@ def prefill(model, x_BL: torch.Tensor, real_BL: torch.Tensor | None, cache: MLAC
     no padding) marks real tokens: pads are masked out of every key, positions count real tokens
     only. Returns the last position's logits [B, V] and the state `decode_step` goes on from."""
     n, longest = x_BL.shape
+    if longest == 0:
+        raise ValueError("prefill needs at least one prompt token a sequence")
     dev = x_BL.device
     chunk = chunk or PREFILL
-    pos_BL = None if real_BL is None else (real_BL.long().cumsum(-1) - 1).clamp(min=0)
+    pos_BL = None if real_BL is None else _positions(real_BL)
     for a in range(0, longest, chunk):
         b = min(a + chunk, longest)
         last = (torch.arange(n, device=dev) + 1) * (b - a) - 1 if b == longest else None
@@ -95,6 +102,13 @@ def generate(
     b, t = input_ids.shape
     dev = input_ids.device
     real_BL = None if attention_mask is None else attention_mask.to(dev).bool()
+    if real_BL is not None and (
+        real_BL.shape != input_ids.shape or t == 0 or not bool(real_BL[:, -1].all())
+    ):
+        raise ValueError(
+            f"attention_mask {tuple(real_BL.shape)} must match input_ids {(b, t)} and pad on the "
+            "left: every row's last token real (pad_token on the left, as for transformers)"
+        )
     cache = MLACache(model.cfg.num_layers) if use_cache else None
     out = input_ids
     done = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -106,8 +120,8 @@ def generate(
             )
             logits = model(out, logits_at=torch.arange(1, b + 1, device=dev) * s - 1,
                            attention_mask=None if real_BS is None else _prompt_mask(real_BS, 0, s),
-                           position_ids=None if real_BS is None
-                           else (real_BS.long().cumsum(-1) - 1).clamp(min=0)).logits  # fmt: skip
+                           position_ids=None if real_BS is None else _positions(real_BS),
+                           ).logits  # fmt: skip
         elif step == 0:
             logits, state = prefill(model, input_ids, real_BL, cache)
         else:

@@ -204,7 +204,6 @@ def _check_init_from(hf_model, ours, path) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bool = False) -> dict:
     """Run (or continue) training; returns the final metrics. All ranks call it."""
-    started = time.time()  # train.time_limit_minutes counts the set-up too: it is the job's
     from llmtrain.parallel import ops
     from llmtrain.parallel.engine import (
         Engine,
@@ -234,7 +233,7 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
         lock = _prepare_run_dir(run_dir, "auto" if resume != "never" else "never", overwrite,
                                 rank)  # fmt: skip
         comm.barrier()
-        with StopOnSignal(started=started) as stop:
+        with StopOnSignal() as stop:
             return _train(cfg, run_dir, resume, layout, rank, world, local_rank, device, Engine,
                           make_dispatcher, stop)  # fmt: skip
     finally:
@@ -317,6 +316,9 @@ def _train(
 
     run.engine.train()
     last_saved = run.start_step if ck_dir is not None else -1
+    if rank == 0 and (run_dir / STOP_FILE_NAME).exists():
+        logger.warning("%s exists: this launch stops after its first step, with a checkpoint "
+                       "(remove it to train on)", run_dir / STOP_FILE_NAME)  # fmt: skip
     stop.arm()  # from here a signal stops the run at the next step boundary, with a checkpoint
     try:
         final, last_saved = _loop(run, stop, metrics, counts, config_yaml, last_saved)

@@ -37,18 +37,19 @@ FORCE_AFTER_S = 2.0
 # stops asked for without a signal, agreed on like one (codes above any signal number): the
 # save they lead to is not bound by the launcher's 30 s grace, which a large model's may need
 TIME_LIMIT, STOP_FILE = 1001, 1002
-STOP_FILE_NAME = "STOP"  # RUN/STOP, written during this launch: stop at the next step boundary
+STOP_FILE_NAME = "STOP"  # RUN/STOP: stop at the next step boundary (removed once taken)
 
 
 class StopOnSignal:
     """Context manager: records SIGTERM/SIGINT while active; `agreed()` is the collective check."""
 
     def __init__(self, watch_launcher: bool = True, started: float | None = None) -> None:
-        self.received: int | None = None
+        self.received: int | None = None  # what stops the run: a signal, TIME_LIMIT, STOP_FILE
         self.at = 0.0
-        # when this launch began (time.time()): train.time_limit_minutes counts from it, and a
-        # RUN/STOP older than it asked an earlier launch to stop
-        self.started = time.time() if started is None else started
+        self._signalled: int | None = None  # the first signal, for the second to force an exit
+        self._signalled_at = 0.0
+        # train.time_limit_minutes counts from here (time.time())
+        self.started = job_start() if started is None else started
         self.armed = False
         self._old: dict[int, object] = {}
         self._watch = watch_launcher
@@ -67,12 +68,15 @@ class StopOnSignal:
             else:
                 signal.raise_signal(signum)
             return
-        if self.received == signum and time.monotonic() - self.at >= FORCE_AFTER_S:
+        now = time.monotonic()
+        if self._signalled == signum and now - self._signalled_at >= FORCE_AFTER_S:
             signal.signal(signum, signal.SIG_DFL)  # asked twice: give up the checkpoint
             signal.raise_signal(signum)
             return
+        if self._signalled is None:  # the first signal (a time limit or STOP may be the stop)
+            self._signalled, self._signalled_at = signum, now
         if self.received is None:
-            self.received, self.at = signum, time.monotonic()
+            self.received, self.at = signum, now
 
     def __enter__(self) -> StopOnSignal:
         for s in SIGNALS:
@@ -108,15 +112,12 @@ class StopOnSignal:
             self.received, self.at = code, time.monotonic()
 
     def check_requests(self, run_dir, limit_minutes: float) -> None:
-        """Rank 0 at each step boundary: the time limit passed, or RUN/STOP written since this
-        launch began (one stat a step)."""
+        """Rank 0 at each step boundary: the time limit passed, or RUN/STOP exists (one stat a
+        step; its age is not asked: the file server's clock is not this host's)."""
         if limit_minutes and time.time() - self.started >= limit_minutes * 60:
             self.request(TIME_LIMIT)
-        try:
-            if os.stat(os.path.join(run_dir, STOP_FILE_NAME)).st_mtime >= self.started:
-                self.request(STOP_FILE)
-        except OSError:
-            pass
+        if os.path.exists(os.path.join(run_dir, STOP_FILE_NAME)):
+            self.request(STOP_FILE)
 
     def agreed(self) -> int | None:
         """Collective: the signal number if any rank received one, else None (same on all)."""
@@ -137,6 +138,21 @@ class StopOnSignal:
         if signum == STOP_FILE:
             return f"RUN/{STOP_FILE_NAME} (removed)"
         return signal.Signals(signum).name
+
+
+def job_start() -> float:
+    """When the job began (time.time()): SLURM's job start (SLURM_JOB_START_TIME), else this
+    process's start, so a time limit set from the job's wall time counts its set-up too."""
+    try:
+        return float(os.environ["SLURM_JOB_START_TIME"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # no psutil or no /proc: from now
+        return time.time()
 
 
 def _ppid(pid: int) -> int | None:
