@@ -177,6 +177,23 @@ def test_time_limit_and_stop_file_stop_with_a_checkpoint(tmp_path, cache):
     assert metrics(run)[-1]["step"] == STEPS
 
 
+def test_time_limit_counts_from_the_jobs_start(monkeypatch, tmp_path):
+    """Under SLURM the limit counts from SLURM_JOB_START_TIME (the job's wall time holds the
+    queue-to-first-step set-up too); else from this process's start, never from later."""
+    import time
+
+    from llmtrain.train import signals
+
+    monkeypatch.setenv("SLURM_JOB_START_TIME", str(int(time.time()) - 600))
+    stop = signals.StopOnSignal(watch_launcher=False)
+    stop.check_requests(tmp_path, 11)
+    assert stop.received is None
+    stop.check_requests(tmp_path, 9)  # 10 minutes since the job began
+    assert stop.received == signals.TIME_LIMIT
+    monkeypatch.delenv("SLURM_JOB_START_TIME")
+    assert signals.job_start() <= time.time() - 0.01  # this process began before this test
+
+
 def test_a_second_signal_forces_an_exit_after_a_requested_stop():
     """A time limit or RUN/STOP is the stop being saved: Ctrl-C twice still exits at once."""
     import subprocess
