@@ -13,8 +13,22 @@ bin="${LLMTRAIN_VENV:-$root/.venv}/bin"
 "$bin/llmtrain" hostfile "$hostfile" >/dev/null   # a bad line stops here, with its number
 port="${MASTER_PORT:-29500}"
 if [ -n "${NODE_RANK:-}" ]; then
-  exec "$bin/deepspeed" --hostfile "$hostfile" --no_ssh --node_rank "$NODE_RANK" \
-    --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the first node}" --master_port "$port" \
-    --module llmtrain.train "$@"
+  # This node's launcher itself (what `deepspeed --no_ssh` runs as its child), not the `deepspeed`
+  # command: that one dies at once on SIGTERM (it handles signals only for pdsh launches), and a
+  # scheduler that sees its task exit (slurmstepd) SIGKILLs the rest of the step, ranks mid-save.
+  # deepspeed.launcher.launch stays until its ranks exit (SIGTERM to them, up to 30 s each).
+  world_info="$("$bin/python" -m llmtrain.parallel.hostfile --world-info "$hostfile" "$NODE_RANK")"
+  exec "$bin/python" -u -m deepspeed.launcher.launch --world_info="$world_info" \
+    --master_addr="${MASTER_ADDR:?set MASTER_ADDR to the first node}" --master_port="$port" \
+    --node_rank="$NODE_RANK" --module llmtrain.train "$@"
 fi
+# Over ssh DeepSpeed forwards only PYTHON*/NCCL*/UCX*/MV2*/MLFLOW* variables: llmtrain's own
+# (LLMTRAIN_CACHE: where `llmtrain data prepare` put the data) and DS_ACCELERATOR go through its
+# env file (DS_ENV_FILE), with the lines of the env files it would have read (~/NAME, ./NAME).
+name="${DS_ENV_FILE:-.deepspeed_env}"
+envfile="$(mktemp "${TMPDIR:-/tmp}/llmtrain-ds-env.XXXXXX")"
+{ for f in "$HOME/$name" "./$name" "$name"; do [ -f "$f" ] && cat "$f"; done
+  env | grep -E '^(LLMTRAIN_[A-Z_]*|DS_ACCELERATOR|TORCH_EXTENSIONS_DIR)='
+} | awk 'NF && !seen[$0]++' > "$envfile" || true
+export DS_ENV_FILE="$envfile"
 exec "$bin/deepspeed" --hostfile "$hostfile" --master_port "$port" --module llmtrain.train "$@"

@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("count", help="parameters, FLOPs, KV cache and memory from a config alone")
     c.add_argument("config", help="our YAML config, or a Hugging Face config.json / model dir")
-    c.add_argument("overrides", nargs="*", help="a.b=c overrides (YAML configs only)")
+    c.add_argument("overrides", nargs="*", default=[], help="a.b=c overrides (YAML configs only)")
     c.add_argument("--json", action="store_true", help="print every count as JSON")
     c.add_argument("--seq-len", type=int, default=None,
                    help="sequence length for attention FLOPs and activations (default: train.seq_len; "
@@ -450,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train (one process, or under the deepspeed launcher)")
     t.add_argument("config", help="YAML config")
-    t.add_argument("overrides", nargs="*", help="a.b=c overrides; resume=auto continues the run")
+    t.add_argument(
+        "overrides", nargs="*", default=[], help="a.b=c overrides; resume=auto continues the run"
+    )
     t.add_argument("--run-dir", required=True, help="where metrics, checkpoints and samples go")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -580,13 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = dp.add_parser("prepare", help="tokenize data.sources into the shared cache (resumable)")
     d.add_argument("config", help="YAML config (its data and model.vocab_size sections)")
-    d.add_argument("overrides", nargs="*", help="a.b=c overrides")
+    d.add_argument("overrides", nargs="*", default=[], help="a.b=c overrides")
     d.add_argument("--num-proc", type=int, default=None, help="processes (default data.num_proc)")
     d.set_defaults(func=cmd_data_prepare)
 
     ev = sub.add_parser("eval", help="lm-evaluation-harness tasks on a run, checkpoint or HF dir")
     ev.add_argument("model", help="a run directory, a checkpoint, or a Hugging Face directory")
-    ev.add_argument("overrides", nargs="*",
+    ev.add_argument("overrides", nargs="*", default=[],
                     help="--sharded: a.b=c overrides of the run's config (e.g. parallel.ep_size)")  # fmt: skip
     ev.add_argument("--sharded", action="store_true",
                     help="load the run's checkpoint at its own layout over the ranks of a "

@@ -553,3 +553,15 @@ def test_deepspeed_launcher_entry_reports_config_errors(tmp_path):
         "llmtrain train: error: parallel.ep_size=3 must divide model.n_routed_experts=8"
     ]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("argv,missing", [(["train"], "config, --run-dir"), (["count"], "config"),
+                                          (["data", "prepare"], "config"), (["eval"], "model")])  # fmt: skip
+def test_missing_arguments_name_only_required_ones(argv, missing, capsys):
+    """`overrides` (nargs='*') is optional: the error must not list it as required."""
+    from llmtrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.split("required: ")[1].split(" (see")[0] == missing

@@ -1,6 +1,7 @@
 """The trainer end to end: layouts agree, resume is exact, bad input stops early and clearly."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -175,6 +176,16 @@ def test_time_limit_and_stop_file_stop_with_a_checkpoint(tmp_path, cache):
     assert not (run / "STOP").exists()
     run_train(run, 1, base(cache, "resume=auto"))
     assert metrics(run)[-1]["step"] == STEPS
+
+
+def test_stop_file_at_the_last_step_is_taken(tmp_path, cache):
+    """A RUN/STOP seen at the run's last step is taken too: the run ends there, and a later
+    launch extending it (train.max_steps raised) must not stop after its first step."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "STOP").write_text("")
+    run_train(run, 1, base(cache, "train.max_steps=1"))
+    assert not (run / "STOP").exists()
 
 
 def test_time_limit_counts_from_the_jobs_start(monkeypatch, tmp_path):
@@ -634,3 +645,64 @@ def test_option_smoke(cache, tmp_path, extra):
         assert text.startswith("step 2: ") and "top ops by host time" in text
         assert "aten::mm" in text or "aten::addmm" in text or "aten::bmm" in text, text[:3000]
         assert (tmp_path / "run" / "profile" / "step_2_rank0.trace.json.gz").stat().st_size > 0
+
+
+def test_multinode_script_execs_the_node_launcher(tmp_path):
+    """launch/train_multinode.sh with NODE_RANK (the SLURM path) must become the per-node
+    deepspeed.launcher.launch, not the `deepspeed` command: that dies at once on SIGTERM and
+    slurmstepd then SIGKILLs the rest of the step, the ranks mid-save."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "venv" / "bin"
+    fake.mkdir(parents=True)
+    log = tmp_path / "argv"
+    for name in ("deepspeed", "llmtrain"):  # deepspeed also logs the env file it was given
+        (fake / name).write_text(
+            f'#!/bin/sh\necho "{name} $*" >> {log}\n'
+            f'[ -n "$DS_ENV_FILE" ] && cat "$DS_ENV_FILE" >> {log}\nexit 0\n'
+        )
+    # python: record a launcher start, run anything else (the hostfile helper) for real
+    (fake / "python").write_text(
+        f'#!/bin/sh\ncase "$*" in *deepspeed.launcher.launch*) echo "python $*" >> {log};; '
+        f'*) exec {sys.executable} "$@";; esac\n'
+    )
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    hf = tmp_path / "hf"
+    hf.write_text("node0 slots=2\nnode1 slots=2\n")
+    env = {**os.environ, "LLMTRAIN_VENV": str(tmp_path / "venv"), "NODE_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    sh = ROOT / "launch" / "train_multinode.sh"
+    r = subprocess.run([str(sh), str(hf), "configs/debug.yaml", "--run-dir", "x"], env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    started = log.read_text().splitlines()[-1]
+    assert started.startswith("python -u -m deepspeed.launcher.launch"), started
+    assert "--node_rank=1" in started and "--master_addr=10.0.0.1" in started
+    assert started.endswith("--module llmtrain.train configs/debug.yaml --run-dir x")
+    r = subprocess.run([str(sh), str(hf), "c.yaml"], env={**env, "NODE_RANK": "2"},
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and "NODE_RANK=2" in r.stderr and "Traceback" not in r.stderr
+    # over ssh: llmtrain's variables reach the other nodes through DeepSpeed's env file
+    ssh = {k: v for k, v in env.items() if k != "NODE_RANK"}
+    r = subprocess.run([str(sh), str(hf), "c.yaml"], capture_output=True, text=True,
+                       env={**ssh, "LLMTRAIN_CACHE": "/shared/cache", "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    tail = log.read_text().split("deepspeed --hostfile")[-1].splitlines()
+    assert "LLMTRAIN_CACHE=/shared/cache" in tail and "DS_ACCELERATOR=cpu" in tail, tail
+
+
+def test_layout_error_said_once_under_a_launcher(tmp_path, capsys, monkeypatch):
+    """An impossible layout is the same on every rank: rank 0 says it, the others exit quietly
+    (not one copy of the line per rank)."""
+    from llmtrain.cli import main
+
+    argv = ["train", str(ROOT / "configs" / "debug.yaml"), "--run-dir", str(tmp_path / "r"),
+            "parallel.ep_size=4"]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert ("must divide the world size 2" in err) == said, (rank, err)

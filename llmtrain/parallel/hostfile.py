@@ -44,3 +44,25 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
     if not hosts:
         raise HostfileError(f"hostfile {p} lists no hosts")
     return hosts
+
+
+def world_info(hosts: dict[str, int], node_rank: str) -> str:
+    """deepspeed.launcher.launch's --world_info ({host: [slot, ...]}, base64 JSON) for a --no_ssh
+    launch of node `node_rank`, which must name a line of the hostfile."""
+    import base64
+    import json
+
+    if not node_rank.isdigit() or int(node_rank) >= len(hosts):
+        raise HostfileError(f"NODE_RANK={node_rank} names no node of the hostfile's {len(hosts)}; "
+                            f"use 0..{len(hosts) - 1}")  # fmt: skip
+    info = {h: list(range(n)) for h, n in hosts.items()}
+    return base64.urlsafe_b64encode(json.dumps(info).encode()).decode()
+
+
+if __name__ == "__main__":  # launch/train_multinode.sh: --world-info HOSTFILE NODE_RANK
+    import sys
+
+    try:
+        print(world_info(parse_hostfile(sys.argv[2]), sys.argv[3]))
+    except HostfileError as e:
+        sys.exit(f"train_multinode.sh: error: {e}")

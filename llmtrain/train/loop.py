@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from llmtrain.accounting import count
-from llmtrain.config import Config
+from llmtrain.config import Config, ConfigError
 from llmtrain.data.corpus import DataError
 from llmtrain.data.loader import PackedDataset, batches_for_step, permute
 from llmtrain.data.prepare import NOT_IN_KEY, prepare_data
@@ -217,7 +217,11 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     run_dir = Path(run_dir)
     # the layout is checked before any process group exists
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = make_layout(cfg, world_env)
+    try:
+        layout = make_layout(cfg, world_env)
+    except ConfigError as e:  # the same config and world size on every rank: rank 0 says it
+        e.same_on_every_rank = True
+        raise
     health.check_overflow_guard(deepspeed_config(cfg, layout))
     check_eval_tasks(cfg.train)  # a missing harness or task fails now, not at the first eval
     try:  # a lock left by a killed JIT build would make init_distributed wait forever
@@ -393,6 +397,9 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         if rank == 0:  # rank 0's clock and view of RUN/STOP decide for all
             stop.check_requests(run_dir, t.time_limit_minutes)
         signum = stop.agreed()  # collective: every rank stops at the same step
+        if signum == STOP_FILE and done == t.max_steps and rank == 0:
+            # the run ends here anyway: taken too, or it would stop the next (extended) launch
+            (run_dir / STOP_FILE_NAME).unlink(missing_ok=True)
         if signum is not None and done < t.max_steps:
             if last_saved != done and run.nonfinite_in_row == 0:
                 _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
