@@ -590,7 +590,8 @@ def test_hostfile_checks(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_node_launch_on_localhost(reference, cache, tmp_path):
-    """Two launcher invocations (--node_rank 0/1, --no_ssh), ep_size 2 across the 'nodes'."""
+    """launch/train_multinode.sh run once per 'node' (NODE_RANK 0/1, no ssh: each node's
+    launcher), ep_size 2 across the 'nodes'."""
     import subprocess
 
     from .train_utils import VENV_BIN, env, free_port
@@ -601,14 +602,18 @@ def test_two_node_launch_on_localhost(reference, cache, tmp_path):
     run = tmp_path / "run"
     procs = []
     for node in (1, 0):
-        cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hf), "--no_ssh", "--node_rank", str(node),
-               "--master_addr", "127.0.0.1", "--master_port", port, "--module", "llmtrain.train",
-               "configs/debug.yaml", "--run-dir", str(run), *base(cache, "parallel.ep_size=2", "parallel.zero_stage=2")]  # fmt: skip
+        cmd = ["bash", str(ROOT / "launch" / "train_multinode.sh"), str(hf), "configs/debug.yaml",
+               "--run-dir", str(run), *base(cache, "parallel.ep_size=2", "parallel.zero_stage=2")]  # fmt: skip
         procs.append(
             subprocess.Popen(
                 cmd,
                 cwd=ROOT,
-                env=env(),
+                env=env(
+                    NODE_RANK=str(node),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    LLMTRAIN_VENV=str(VENV_BIN.parent),
+                ),  # fmt: skip
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
