@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+T_START = time.monotonic()  # before the module's torch import and CUDA init (PEAK_BF16 below)
 
 
 def main() -> None:
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="time the step's kernels one by one")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    t_start = time.monotonic()
+    t_start = T_START
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -15,7 +15,8 @@ plus a gloo group alone is 262 MiB, the rest is the trainer's imports, data and 
 comm op. On CPU freed activations stay in glibc's heap (allocations below its mmap threshold),
 so they are still resident when the optimizer step peaks: the prediction adds them.
 
-Measured (fp32, 3 steps): 1 rank 3962 MiB vs 3810 predicted (1.04), 2 ranks ZeRO-2 EP 2 3192 vs
+Measured (fp32, 3 steps): 1 rank 3419 MiB vs 3183 predicted (1.07, 2026-12-02; before the
+one-rank engine stopped filling an all-reduce bucket, 3962 vs 3810), 2 ranks ZeRO-2 EP 2 3192 vs
 2895 (1.10), 4 ranks ZeRO-2 EP 4 1886 vs 1835 (1.03), 2 ranks ZeRO-1 4026 vs 4123 (0.98), 2 ranks
 ZeRO-3 5004 vs 4144 (1.21). Where it misses, the tensors the process holds are as predicted (a
 gc census of live tensor storages after two steps equals weights + master + moments, ZeRO-2 bf16

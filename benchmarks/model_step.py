@@ -41,6 +41,15 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def vm_hwm_bytes() -> int:
+    """This process image's own peak RSS (VmHWM). Not ru_maxrss: a spawned child's starts at its
+    parent's peak (the kernel carries the pre-exec maxrss over exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def matmul_ceiling(dtype=torch.float32, n: int = 1024, reps: int = 20) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
@@ -93,7 +102,7 @@ def _child(kind: str, path: str, hf_dir: str, batch: int, seq: int, steps: int, 
         if i >= 2:  # two warm-up steps
             times.append(dt)
         losses.append(loss.item())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = vm_hwm_bytes()
     q.put({"kind": kind, "times": times, "losses": losses, "peak_rss": peak, "base_rss": base})
 
 

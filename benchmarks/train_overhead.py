@@ -33,16 +33,16 @@ def bare_step_times(cfg, steps: int) -> list[float]:
     model = build_model(cfg.model, seed=cfg.train.seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     b, t = cfg.train.micro_batch_size, cfg.train.seq_len
+    accum = cfg.train.global_batch_size // b  # the trainer's step: every micro-batch of it
     ids = torch.randint(
-        0, cfg.model.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(0)
+        0, cfg.model.vocab_size, (accum, b, t + 1), generator=torch.Generator().manual_seed(0)
     )
-    x, y = ids[:, :-1], ids[:, 1:]
     times = []
     for i in range(steps + 3):
         t0 = time.perf_counter()
-        loss = model(x, labels=y).loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for mb in ids:
+            (model(mb[:, :-1], labels=mb[:, 1:]).loss / accum).backward()
         opt.step()
         if i >= 3:
             times.append(time.perf_counter() - t0)
@@ -60,6 +60,10 @@ def main() -> None:
     from llmtrain.config import load_config
 
     cfg = load_config(args.config)
+    if cfg.train.dtype != "fp32":  # the bare step is the plain fp32 model's
+        sys.exit(
+            f"{args.config}: train.dtype={cfg.train.dtype}; this benchmark compares fp32 steps"
+        )
     torch.set_num_threads(torch.get_num_threads())
     run = Path(tempfile.mkdtemp(prefix="llmtrain-overhead-")) / "run"
     over = [f"train.max_steps={args.steps}", "train.warmup_steps=1", "train.eval_every=100000",
@@ -79,15 +83,15 @@ def main() -> None:
     print(f"config {args.config}: {tokens} tokens/step, {torch.get_num_threads()} threads")
     print(f"{'':<10} {'step s':>8} {'tok/s':>8}")
     print(f"{'bare':<10} {bare:>8.3f} {tokens / bare:>8.0f}")
-    print(
-        f"{'trainer':<10} {trainer:>8.3f} {tokens / trainer:>8.0f}   MFU {statistics.median(r['mfu'] for r in rows[3:]):.1%}"
-    )
+    mfu = statistics.median(r["mfu"] for r in rows[3:])
+    print(f"{'trainer':<10} {trainer:>8.3f} {tokens / trainer:>8.0f}   MFU {mfu:.1%}")
     print(
         f"trainer overhead: {overhead:+.1%} of the bare step (target <= +10%); whole run {wall:.0f} s"
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": args.config, "bare_step_s": bare, "trainer_step_s": trainer,
-                                          "overhead": overhead, "tokens_per_step": tokens}, indent=2))  # fmt: skip
+                                          "overhead": overhead, "tokens_per_step": tokens,
+                                          "trainer_mfu": mfu}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
