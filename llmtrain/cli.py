@@ -204,6 +204,7 @@ def cmd_count(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from llmtrain.errors import LlmtrainError
     from llmtrain.train.loop import train
 
     overrides, resume = [], "never"
@@ -212,7 +213,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume = o.split("=", 1)[1]
         else:
             overrides.append(o)
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except LlmtrainError as e:  # each rank of a node reads the same file: said once a node
+        e.same_on_every_node = True
+        raise
     train(cfg, args.run_dir, resume=resume, overwrite=args.overwrite)
     return 0
 
@@ -679,7 +684,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not is_user_error(e) and os.environ.get("LLMTRAIN_TRACEBACK", "") not in ("", "0"):
             traceback.print_exc()  # a bug's traceback, without --debug's log levels
-        if not getattr(e, "same_on_every_rank", False) or os.environ.get("RANK", "0") == "0":
+        quiet = (
+            getattr(e, "same_on_every_rank", False) and os.environ.get("RANK", "0") != "0"
+        ) or (getattr(e, "same_on_every_node", False) and os.environ.get("LOCAL_RANK", "0") != "0")
+        if not quiet:
             _say(f"llmtrain {cmd}: error: {describe_error(e)}".replace("  ", " "))
         return 2 if is_user_error(e) else 1
 

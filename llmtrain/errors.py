@@ -16,9 +16,13 @@ class LlmtrainError(Exception):
 
     `same_on_every_rank`: the ranks agreed on it collectively (a stop at a step boundary, a
     run of non-finite steps), so every rank raises the same message and only rank 0 prints it.
+    `same_on_every_node`: made before any process group from what every rank of a node reads
+    alike (the config file, the command line), so each node's local rank 0 prints it (another
+    node may read other files: its line is not lost).
     """
 
     same_on_every_rank: bool = False
+    same_on_every_node: bool = False
 
 
 class UsageError(LlmtrainError, ValueError):

@@ -699,15 +699,17 @@ def test_multinode_script_execs_the_node_launcher(tmp_path):
 
 
 def test_layout_error_said_once_under_a_launcher(tmp_path, capsys, monkeypatch):
-    """An impossible layout is the same on every rank: rank 0 says it, the others exit quietly
-    (not one copy of the line per rank)."""
+    """An impossible layout or a bad config is the same on a node's ranks: its local rank 0
+    says it, the others exit quietly (not one copy of the line per rank)."""
     from llmtrain.cli import main
 
     argv = ["train", str(ROOT / "configs" / "debug.yaml"), "--run-dir", str(tmp_path / "r"),
             "parallel.ep_size=4"]  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for rank, said in (("1", False), ("0", True)):
-        monkeypatch.setenv("RANK", rank)
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert ("must divide the world size 2" in err) == said, (rank, err)
+    for line in (argv, [*argv[:-1], "train.bogus=1"]):  # a layout, a config error
+        for rank, said in (("1", False), ("0", True)):
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setenv("LOCAL_RANK", rank)  # a node's first rank says it
+            assert main(line) == 2
+            err = capsys.readouterr().err
+            assert ("error: " in err) == said and err.count("\n") == said, (rank, err)

@@ -219,8 +219,8 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         layout = make_layout(cfg, world_env)
-    except ConfigError as e:  # the same config and world size on every rank: rank 0 says it
-        e.same_on_every_rank = True
+    except ConfigError as e:  # the same config and world size on a node's ranks: said once there
+        e.same_on_every_node = True
         raise
     health.check_overflow_guard(deepspeed_config(cfg, layout))
     check_eval_tasks(cfg.train)  # a missing harness or task fails now, not at the first eval
