@@ -230,8 +230,9 @@ class TrainingModelLM(TemplateLM):
         ranks: a sharded model's forward is collective, so every rank pads to the longest
         context on any rank and decodes until every rank's batch has stopped. Contexts are
         left-padded and go in PREFILL tokens a forward (llmtrain.model.generate.prefill: pads
-        masked out, positions of real tokens only, one row of logits a sequence). `idle`: a stand-in batch
-        (this rank has no requests left) that only joins the forwards, stopped from the start."""
+        masked out, positions of real tokens only, one row of logits a sequence). `idle`: a
+        stand-in batch (this rank has no requests left) that only joins the forwards, stopped
+        from the start."""
         n, longest = len(ids), max(len(x) for x in ids)
         if self.n_ranks > 1:
             longest = int(comm.all_reduce(torch.tensor([longest]), op=dist.ReduceOp.MAX))

@@ -397,16 +397,15 @@ def _loop(run: _Run, stop, metrics, counts, config_yaml: str, last_saved: int):
         if rank == 0:  # rank 0's clock and view of RUN/STOP decide for all
             stop.check_requests(run_dir, t.time_limit_minutes)
         signum = stop.agreed()  # collective: every rank stops at the same step
-        if signum == STOP_FILE and done == t.max_steps and rank == 0:
-            # the run ends here anyway: taken too, or it would stop the next (extended) launch
-            (run_dir / STOP_FILE_NAME).unlink(missing_ok=True)
-        if signum is not None and done < t.max_steps:
+        stopping = signum is not None and done < t.max_steps
+        if stopping:
             if last_saved != done and run.nonfinite_in_row == 0:
                 _save(run, done, record, counts.flops_per_token, config_yaml, metrics)
                 last_saved = done
             _wait_saves(run, metrics)
-            if signum == STOP_FILE and rank == 0:  # taken: the next launch trains on
-                (run_dir / STOP_FILE_NAME).unlink(missing_ok=True)
+        if signum == STOP_FILE and rank == 0:  # taken (at the last step too): the next launch
+            (run_dir / STOP_FILE_NAME).unlink(missing_ok=True)  # trains on
+        if stopping:
             metrics.close()
             raise AgreedStop(_stopped_message(stop.name(signum), done, last_saved, run_dir))
     _wait_saves(run, metrics)
@@ -723,10 +722,9 @@ def evaluate(engine, ds, layout, rank, world, device, n_seqs, eos, doc_mask) -> 
     """Mean validation loss over the first `n_seqs` validation sequences of a fixed permutation
     of the whole split (its first sequences would be its first files only): the same sequences
     at every step, for every seed and at any world size (a smaller sample is a prefix of a
-    larger one). Ranks take
-    consecutive shares of ceil(n / world) sequences; the last shares are short (or empty), and
-    a rank with nothing left in a round runs a weight-0 forward so every rank joins the same
-    collectives."""
+    larger one). Ranks take consecutive shares of ceil(n / world) sequences; the last shares are
+    short (or empty), and a rank with nothing left in a round runs a weight-0 forward so every
+    rank joins the same collectives."""
     engine.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     n = min(ds.n_seq, n_seqs)

@@ -43,13 +43,13 @@ STOP_FILE_NAME = "STOP"  # RUN/STOP: stop at the next step boundary (removed onc
 class StopOnSignal:
     """Context manager: records SIGTERM/SIGINT while active; `agreed()` is the collective check."""
 
-    def __init__(self, watch_launcher: bool = True, started: float | None = None) -> None:
+    def __init__(self, watch_launcher: bool = True) -> None:
         self.received: int | None = None  # what stops the run: a signal, TIME_LIMIT, STOP_FILE
         self.at = 0.0
         self._signalled: int | None = None  # the first signal, for the second to force an exit
         self._signalled_at = 0.0
         # train.time_limit_minutes counts from here (time.time())
-        self.started = job_start() if started is None else started
+        self.started = job_start()
         self.armed = False
         self._old: dict[int, object] = {}
         self._watch = watch_launcher
