@@ -7,6 +7,11 @@
 #     NODE_RANK=1 MASTER_ADDR=10.0.0.1 launch/train_multinode.sh HOSTFILE CONFIG --run-dir DIR ...
 # The run directory must be on a filesystem every node sees (every rank writes its checkpoint pieces).
 set -euo pipefail
+# SIGUSR1 (SLURM's --signal=USR1@SECONDS warning, sent to every process of the step) is for the
+# ranks: they save and stop at the next step boundary. Ignored here and so in the launcher this
+# script becomes (its default action would end the launcher, and the step with it); each rank
+# sets its own handler.
+trap '' USR1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 hostfile="$1"; shift
 bin="${LLMTRAIN_VENV:-$root/.venv}/bin"

@@ -263,6 +263,53 @@ def test_ctrl_c_saves_and_stops(cache, tmp_path):
     assert state["step"] == step and len(metrics(run)) == step  # resuming: as after SIGTERM
 
 
+@pytest.mark.slow  # the node launcher (deepspeed.launcher.launch)
+def test_sigusr1_to_the_step_saves_and_stops_under_the_node_launcher(cache, tmp_path):
+    """SLURM's --signal=USR1@SECONDS signals every process of the step: the launcher
+    train_multinode.sh became (whose default action on USR1 is to die, and the step with it)
+    ignores it, the rank saves at the next step boundary and the launcher passes on its exit 2."""
+    hf = tmp_path / "hostfile"
+    hf.write_text("node0 slots=1\n")
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    cmd = ["bash", str(ROOT / "launch" / "train_multinode.sh"), str(hf), "configs/debug.yaml",
+           "--run-dir", str(run), *base(cache, "train.max_steps=400")]  # fmt: skip
+    e = env(NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+            LLMTRAIN_VENV=str(VENV_BIN.parent))  # fmt: skip
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=e, start_new_session=True, stdout=out,
+                             stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            _wait_for_steps(run, p, 3)
+            os.killpg(p.pid, signal.SIGUSR1)
+            rc = p.wait(timeout=120)
+            _group_gone(p.pid)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 2, (rc, text[-3000:])
+    _check_stopped(run, rc, text, "SIGUSR1", 1, max_steps=400)
+
+
+def test_sigusr1_during_set_up_stops_after_the_first_step():
+    """A warning that comes before training starts is kept (not the default action, which
+    kills the process), and a second one forces nothing."""
+    code = (
+        "import signal, time\n"
+        "from llmtrain.train import signals as s\n"
+        "s.FORCE_AFTER_S = 0.0\n"
+        "with s.StopOnSignal(watch_launcher=False) as stop:\n"
+        "    signal.raise_signal(signal.SIGUSR1)\n"
+        "    stop.arm()\n"
+        "    signal.raise_signal(signal.SIGUSR1)\n"
+        "    time.sleep(0.2)\n"
+        "print('stop', stop.name(stop.agreed()))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert p.returncode == 0 and p.stdout.strip() == "stop SIGUSR1", (p.returncode, p.stderr)
+
+
 @pytest.mark.slow
 def test_sigterm_two_ranks_agree_on_the_step(reference, cache, tmp_path):
     run, rc, text = _interrupt(tmp_path, cache, 2, signal.SIGTERM)

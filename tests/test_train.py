@@ -656,6 +656,7 @@ def test_multinode_script_execs_the_node_launcher(tmp_path):
     """launch/train_multinode.sh with NODE_RANK (the SLURM path) must become the per-node
     deepspeed.launcher.launch, not the `deepspeed` command: that dies at once on SIGTERM and
     slurmstepd then SIGKILLs the rest of the step, the ranks mid-save."""
+    import signal
     import subprocess
     import sys
 
@@ -669,8 +670,8 @@ def test_multinode_script_execs_the_node_launcher(tmp_path):
         )
     # python: record a launcher start, run anything else (the hostfile helper) for real
     (fake / "python").write_text(
-        f'#!/bin/sh\ncase "$*" in *deepspeed.launcher.launch*) echo "python $*" >> {log};; '
-        f'*) exec {sys.executable} "$@";; esac\n'
+        f'#!/bin/sh\ncase "$*" in *deepspeed.launcher.launch*) grep SigIgn /proc/$$/status '
+        f'>> {log}; echo "python $*" >> {log};; *) exec {sys.executable} "$@";; esac\n'
     )
     for f in fake.iterdir():
         f.chmod(0o755)
@@ -686,6 +687,9 @@ def test_multinode_script_execs_the_node_launcher(tmp_path):
     assert started.startswith("python -u -m deepspeed.launcher.launch"), started
     assert "--node_rank=1" in started and "--master_addr=10.0.0.1" in started
     assert started.endswith("--module llmtrain.train configs/debug.yaml --run-dir x")
+    # SIGUSR1 (SLURM's warning) is ignored by the launcher: the ranks take it, it must not die
+    ignored = int(log.read_text().splitlines()[-2].split()[1], 16)
+    assert ignored >> (signal.SIGUSR1 - 1) & 1, hex(ignored)
     r = subprocess.run([str(sh), str(hf), "c.yaml"], env={**env, "NODE_RANK": "2"},
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode != 0 and "NODE_RANK=2" in r.stderr and "Traceback" not in r.stderr

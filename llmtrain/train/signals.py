@@ -1,5 +1,10 @@
-"""SIGTERM / SIGINT during training (or train.time_limit_minutes, or a RUN/STOP file): stop at
-the next step boundary with a checkpoint.
+"""SIGTERM / SIGINT / SIGUSR1 during training (or train.time_limit_minutes, or a RUN/STOP file):
+stop at the next step boundary with a checkpoint.
+
+SIGUSR1 is a scheduler's advance warning (SLURM's `--signal=USR1@SECONDS` signals every process
+of the job's steps that long before the wall time ends): it is never a reason to exit at once, so
+it is recorded even during set-up (the run then stops after its first step) and a second one
+changes nothing. Its default action would kill the process and every unsaved step with it.
 
 Why a collective flag: under the deepspeed launcher each rank gets the signal at its own moment
 (Ctrl-C reaches every process of the terminal's group; a scheduler that signals the job's
@@ -32,7 +37,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+WARNINGS = (signal.SIGUSR1,)  # stop with a checkpoint, whenever it comes; never force an exit
 FORCE_AFTER_S = 2.0
 # stops asked for without a signal, agreed on like one (codes above any signal number): the
 # save they lead to is not bound by the launcher's 30 s grace, which a large model's may need
@@ -41,7 +47,8 @@ STOP_FILE_NAME = "STOP"  # RUN/STOP: stop at the next step boundary (removed onc
 
 
 class StopOnSignal:
-    """Context manager: records SIGTERM/SIGINT while active; `agreed()` is the collective check."""
+    """Context manager: records SIGTERM/SIGINT/SIGUSR1 while active; `agreed()` is the collective
+    check."""
 
     def __init__(self, watch_launcher: bool = True) -> None:
         self.received: int | None = None  # what stops the run: a signal, TIME_LIMIT, STOP_FILE
@@ -60,6 +67,10 @@ class StopOnSignal:
         self.armed = True
 
     def _handle(self, signum: int, frame) -> None:
+        if signum in WARNINGS:
+            if self.received is None:
+                self.received, self.at = signum, time.monotonic()
+            return
         if not self.armed:  # before the first step there is nothing to save: act as before
             old = self._old.get(signum)
             signal.signal(signum, old if old is not None else signal.SIG_DFL)
