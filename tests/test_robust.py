@@ -16,7 +16,16 @@ from llmtrain.parallel import ops
 from llmtrain.train import health
 
 from .conftest import ROOT
-from .train_utils import VENV_BIN, env, free_port, metrics, run_then_exit, run_train, train_cmd
+from .train_utils import (
+    VENV_BIN,
+    env,
+    free_port,
+    in_stop_on_signal,
+    metrics,
+    run_then_exit,
+    run_train,
+    train_cmd,
+)
 
 STEPS = 16
 
@@ -294,20 +303,10 @@ def test_sigusr1_to_the_step_saves_and_stops_under_the_node_launcher(cache, tmp_
 def test_sigusr1_during_set_up_stops_after_the_first_step():
     """A warning that comes before training starts is kept (not the default action, which
     kills the process), and a second one forces nothing."""
-    code = (
-        "import signal, time\n"
-        "from llmtrain.train import signals as s\n"
-        "s.FORCE_AFTER_S = 0.0\n"
-        "with s.StopOnSignal(watch_launcher=False) as stop:\n"
-        "    signal.raise_signal(signal.SIGUSR1)\n"
-        "    stop.arm()\n"
-        "    signal.raise_signal(signal.SIGUSR1)\n"
-        "    time.sleep(0.2)\n"
-        "print('stop', stop.name(stop.agreed()))\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
-    assert p.returncode == 0 and p.stdout.strip() == "stop SIGUSR1", (p.returncode, p.stderr)
+    p = in_stop_on_signal("signal.raise_signal(signal.SIGUSR1)", "stop.arm()",
+                          "signal.raise_signal(signal.SIGUSR1)", "time.sleep(0.2)")  # fmt: skip
+    assert p.returncode == 0 and p.stdout.strip() == f"received {signal.SIGUSR1:d}", (
+        p.returncode, p.stderr)  # fmt: skip
 
 
 @pytest.mark.slow

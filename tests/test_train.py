@@ -207,24 +207,12 @@ def test_time_limit_counts_from_the_jobs_start(monkeypatch, tmp_path):
 
 def test_a_second_signal_forces_an_exit_after_a_requested_stop():
     """A time limit or RUN/STOP is the stop being saved: Ctrl-C twice still exits at once."""
-    import subprocess
-    import sys
+    from .train_utils import in_stop_on_signal
 
-    code = (
-        "import signal, time\n"
-        "from llmtrain.train import signals as s\n"
-        "s.FORCE_AFTER_S = 0.0\n"
-        "with s.StopOnSignal(watch_launcher=False) as stop:\n"
-        "    stop.arm()\n"
-        "    stop.request(s.STOP_FILE)\n"
-        "    signal.raise_signal(signal.SIGINT)\n"
-        "    signal.raise_signal(signal.SIGINT)\n"
-        "    time.sleep(1)\n"
-        "print('not forced', stop.received)\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
-    assert p.returncode != 0 and "not forced" not in p.stdout, (p.returncode, p.stdout)
+    p = in_stop_on_signal("stop.arm()", "stop.request(s.STOP_FILE)",
+                          "signal.raise_signal(signal.SIGINT)",
+                          "signal.raise_signal(signal.SIGINT)", "time.sleep(1)")  # fmt: skip
+    assert p.returncode != 0 and "received" not in p.stdout, (p.returncode, p.stdout)
 
 
 def test_a_changed_schedule_warns_only_of_a_real_learning_rate_jump():

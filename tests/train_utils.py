@@ -56,6 +56,18 @@ def run_train(run_dir: Path, nproc: int = 1, overrides=(), check: bool = True, *
     return p
 
 
+def in_stop_on_signal(*body: str) -> subprocess.CompletedProcess:
+    """Run `body` (lines) inside a fresh process's StopOnSignal `stop` (no launcher watch, a
+    second signal forces at once), then print `stop.received`."""
+    code = "\n".join([
+        "import signal, time", "from llmtrain.train import signals as s", "s.FORCE_AFTER_S = 0.0",
+        "with s.StopOnSignal(watch_launcher=False) as stop:", *("    " + b for b in body),
+        "print('received', stop.received)",
+    ])  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
 def _not_json(name: str):
     raise ValueError(f"metrics.jsonl holds {name}, which is not JSON")
 
