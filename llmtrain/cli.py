@@ -7,6 +7,7 @@ Hugging Face. `llmtrain COMMAND --help` for each command."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -204,7 +205,7 @@ def cmd_count(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llmtrain.errors import LlmtrainError
+    from llmtrain.errors import once_a_node
     from llmtrain.train.loop import train
 
     overrides, resume = [], "never"
@@ -213,11 +214,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume = o.split("=", 1)[1]
         else:
             overrides.append(o)
-    try:
+    with once_a_node():  # each rank of a node reads the same file: said once a node
         cfg = load_config(args.config, overrides)
-    except LlmtrainError as e:  # each rank of a node reads the same file: said once a node
-        e.same_on_every_node = True
-        raise
     train(cfg, args.run_dir, resume=resume, overwrite=args.overwrite)
     return 0
 
@@ -269,9 +267,10 @@ def _watch_rc(res, idle_timeout: float | None) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def _check_eval_flags(args: argparse.Namespace, sharded: bool) -> None:
+    """What `llmtrain eval` can refuse from its command line alone, before any export, wait or
+    process group; `--tasks a b x.y=z`'s overrides are moved to args.overrides."""
     from llmtrain.errors import UsageError
-    from llmtrain.eval import format_results, run_eval
 
     for flag, v, ok, need in (("--batch-size", args.batch_size, args.batch_size >= 1, "1 or more"),
                               ("--until-step", args.until_step, (args.until_step or 0) >= 0,
@@ -284,12 +283,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if any("=" in t for t in args.tasks):  # `--tasks a b x.y=z`: the overrides came after
         args.overrides = [*args.overrides, *(t for t in args.tasks if "=" in t)]
         args.tasks = [t for t in args.tasks if "=" not in t]
+    if sharded and (args.device is not None or args.dtype is not None):
+        raise UsageError("--sharded computes on each rank's own device in the run's "
+                         "train.dtype: drop --device/--dtype (a train.dtype=... override "
+                         "changes the dtype)")  # fmt: skip
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from llmtrain.errors import UsageError, once_a_node
+    from llmtrain.eval import format_results, run_eval
+
     sharded = args.sharded or int(os.environ.get("WORLD_SIZE", "1")) > 1  # under a launcher
+    with once_a_node() if sharded else contextlib.nullcontext():  # a node's ranks read alike
+        _check_eval_flags(args, sharded)
     if sharded:
-        if args.device is not None or args.dtype is not None:
-            raise UsageError("--sharded computes on each rank's own device in the run's "
-                             "train.dtype: drop --device/--dtype (a train.dtype=... override "
-                             "changes the dtype)")  # fmt: skip
         from llmtrain.eval.sharded import evaluate_sharded, watch_sharded
 
         if args.watch:

@@ -25,6 +25,19 @@ class LlmtrainError(Exception):
     same_on_every_node: bool = False
 
 
+class once_a_node:  # noqa: N801 (used as a statement: `with once_a_node():`)
+    """Marks an LlmtrainError raised inside as `same_on_every_node`: for the checks made before
+    any process group from what a node's ranks read alike (files, command line, WORLD_SIZE)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, e, tb) -> bool:
+        if isinstance(e, LlmtrainError):
+            e.same_on_every_node = True
+        return False
+
+
 class UsageError(LlmtrainError, ValueError):
     """A command-line argument or API argument is out of range (NaN, negative, wrong path)."""
 

@@ -692,13 +692,24 @@ def test_multinode_script_execs_the_node_launcher(tmp_path):
 
 def test_layout_error_said_once_under_a_launcher(tmp_path, capsys, monkeypatch):
     """An impossible layout or a bad config is the same on a node's ranks: its local rank 0
-    says it, the others exit quietly (not one copy of the line per rank)."""
+    says it, the others exit quietly (not one copy of the line per rank); the same for
+    `eval --sharded`'s checks before its process group."""
     from llmtrain.cli import main
 
     argv = ["train", str(ROOT / "configs" / "debug.yaml"), "--run-dir", str(tmp_path / "r"),
             "parallel.ep_size=4"]  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for line in (argv, [*argv[:-1], "train.bogus=1"]):  # a layout, a config error
+    hf = tmp_path / "hf"  # a Hugging Face directory, which --sharded does not evaluate
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    ev = ["eval", str(hf), "--tasks", "lambada"]
+    for line in (
+        argv,
+        [*argv[:-1], "train.bogus=1"],  # a layout, a config error
+        [*ev, "--batch-size", "0"],
+        ev,
+        [*ev[:2], "--sharded"],
+    ):  # eval under a launcher
         for rank, said in (("1", False), ("0", True)):
             monkeypatch.setenv("RANK", rank)
             monkeypatch.setenv("LOCAL_RANK", rank)  # a node's first rank says it

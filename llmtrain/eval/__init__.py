@@ -19,12 +19,14 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from llmtrain.errors import LlmtrainError
+
 logger = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 
 
-class EvalError(ValueError):
+class EvalError(LlmtrainError, ValueError):
     """The evaluation cannot run as asked; the message says what to change."""
 
 

@@ -40,16 +40,19 @@ def evaluate_sharded(
     """Every rank calls it; rank 0 gets the harness's results dict, the others None. `kw`:
     include_path, limit, batch_size, max_length, as `llmtrain eval`'s flags."""
     from llmtrain.checkpoint import format as fmt
+    from llmtrain.errors import once_a_node
     from llmtrain.eval import check_tokenizer
 
     path = Path(model)
-    if (path / "config.json").is_file() and not (path / "state.json").is_file():
-        raise EvalError(f"{path} is a Hugging Face directory: --sharded evaluates one of our "
-                        "runs or checkpoints; drop --sharded to evaluate it in one process")  # fmt: skip
-    ck = fmt.resolve_checkpoint(path)  # each rank, for the config's backend; rank 0's is used
-    check_tokenizer(ck)
-    scorer = _Scorer(overrides, tasks, **kw)  # checks the tasks before any process group
-    cfg, _ = scorer.config(ck)  # an impossible layout says what to change, before NCCL
+    with once_a_node():  # before any process group, from files a node's ranks read alike
+        if (path / "config.json").is_file() and not (path / "state.json").is_file():
+            raise EvalError(f"{path} is a Hugging Face directory: --sharded evaluates one of "
+                            "our runs or checkpoints; drop --sharded to evaluate it in one "
+                            "process")  # fmt: skip
+        ck = fmt.resolve_checkpoint(path)  # each rank, for the config's backend; rank 0's used
+        check_tokenizer(ck)
+        scorer = _Scorer(overrides, tasks, **kw)  # checks the tasks before any process group
+        cfg, _ = scorer.config(ck)  # an impossible layout says what to change, before NCCL
     # DeepSpeed prints to stdout (its CPU comm op's build line): stdout is the scores' alone
     with contextlib.redirect_stdout(sys.stderr), _process_group(cfg.parallel.backend) as rank:
         from llmtrain.parallel import comm
@@ -72,9 +75,11 @@ def watch_sharded(
     snapshot with it; the engine is built at the first checkpoint and refilled for each next one.
     `watch_kwargs` go to `watch` (poll, until_step, timeout, out, on_result); `kw` as
     `evaluate_sharded`'s. Returns rank 0's WatchResult, None elsewhere."""
+    from llmtrain.errors import once_a_node
     from llmtrain.eval.watch import watch
 
-    scorer = _Scorer(overrides, tasks, **kw)
+    with once_a_node():
+        scorer = _Scorer(overrides, tasks, **kw)
     shown, stdout = watch_kwargs.pop("on_result", None), sys.stdout
 
     def on_result(row: dict) -> None:  # the rows to the real stdout (DeepSpeed's go to stderr)

@@ -21,11 +21,11 @@ import torch
 import yaml
 
 from llmtrain.accounting import count
-from llmtrain.config import Config, ConfigError
+from llmtrain.config import Config
 from llmtrain.data.corpus import DataError
 from llmtrain.data.loader import PackedDataset, batches_for_step, permute
 from llmtrain.data.prepare import NOT_IN_KEY, prepare_data
-from llmtrain.errors import LlmtrainError
+from llmtrain.errors import LlmtrainError, once_a_node
 from llmtrain.model import build_model, generate
 from llmtrain.model.attention import DocumentMask
 from llmtrain.parallel import comm
@@ -217,13 +217,10 @@ def train(cfg: Config, run_dir: str | Path, resume: str = "never", overwrite: bo
     run_dir = Path(run_dir)
     # the layout is checked before any process group exists
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
+    with once_a_node():  # the same config and world size on a node's ranks: said once there
         layout = make_layout(cfg, world_env)
-    except ConfigError as e:  # the same config and world size on a node's ranks: said once there
-        e.same_on_every_node = True
-        raise
-    health.check_overflow_guard(deepspeed_config(cfg, layout))
-    check_eval_tasks(cfg.train)  # a missing harness or task fails now, not at the first eval
+        health.check_overflow_guard(deepspeed_config(cfg, layout))
+        check_eval_tasks(cfg.train)  # a missing harness or task fails now, not at the first eval
     try:  # a lock left by a killed JIT build would make init_distributed wait forever
         ops.check_jit_locks()
     except ops.StaleLockError as e:
