@@ -188,6 +188,19 @@ def test_stop_file_at_the_last_step_is_taken(tmp_path, cache):
     assert not (run / "STOP").exists()
 
 
+def test_validation_loss_scores_train_eval_sequences(cache, tmp_path):
+    """The loop hands train.eval_sequences to the evaluation (0: eval_batches global batches):
+    1 and 2 sequences score other losses, and eval_batches x global batch is the default."""
+    t = load_config(ROOT / "configs" / "debug.yaml").train
+    got = {}
+    for n in (0, 1, 2, t.eval_batches * t.global_batch_size):
+        run = tmp_path / f"n{n}"
+        run_train(run, 1, base(cache, "train.max_steps=1", f"train.eval_sequences={n}"))
+        got[n] = metrics(run)[-1]["val_loss"]
+    assert got[1] != got[2] and got[1] != got[0], got
+    assert got[0] == got[t.eval_batches * t.global_batch_size], got
+
+
 def test_time_limit_counts_from_the_jobs_start(monkeypatch, tmp_path):
     """Under SLURM the limit counts from SLURM_JOB_START_TIME (the job's wall time holds the
     queue-to-first-step set-up too); else from this process's start, never from later."""
