@@ -311,6 +311,9 @@ class ParamSplit:
     part: float  # this rank's ZeRO partition: dense / W + experts_local / (W / P)
     largest_group_part: float  # biggest parameter group's partition (step flattens one at a time)
     persistent: float  # ZeRO-3 parameters below the persistence threshold (held whole)
+    # whole (unpartitioned) sizes of the rank's parameter groups, in param_groups order:
+    # non-expert groups, then the expert group (EP > 1)
+    group_sizes: tuple[list[float], list[float]] = ([], [])
 
     @property
     def held(self) -> float:
@@ -338,9 +341,30 @@ def _param_split(c: ModelConfig, world_size: int, ep_size: int) -> ParamSplit:
         groups = [(dense - vectors + local) / world_size, vectors / world_size]
     # ZeRO-3 keeps parameters of <= 1e5 elements whole: norms, routers, small projections
     small = [s for s in _param_shapes(c) if s <= DS_PERSISTENCE_THRESHOLD]
+    if ep_size > 1:
+        sizes = ([dense - vectors, vectors], [local])
+    else:
+        sizes = ([dense - vectors + local, vectors], [])
     return ParamSplit(
-        dense, local, dense / world_size + local / edp, max(groups), float(sum(small))
+        dense, local, dense / world_size + local / edp, max(groups), float(sum(small)), sizes
     )
+
+
+def _fallback_flatten_peak(sizes: list[float], bucket: int = DS_ALLREDUCE_BUCKET) -> float:
+    """Largest copy engine.allreduce_no_retain makes of these whole tensors (BF16_Optimizer's
+    per-group fp32 gradient buffers): tensors join a bucket until it passes `bucket` elements;
+    a bucket of one tensor is all-reduced in place (_flatten_dense_tensors of one tensor is a
+    view), one of several is concatenated into a new tensor."""
+    peak, cur = 0.0, []
+    for n in sizes:
+        cur.append(n)
+        if sum(cur) > bucket:
+            if len(cur) > 1:
+                peak = max(peak, sum(cur))
+            cur = []
+    if len(cur) > 1:
+        peak = max(peak, sum(cur))
+    return peak
 
 
 def _param_shapes(c: ModelConfig) -> list[int]:
@@ -547,16 +571,26 @@ def memory_per_rank(
                 # each bf16 param.grad is added into it and freed as backward produces it: none
                 # is alive after a backward (tests/test_bf16.py)
                 out["gradients"] = 4 * held
-            # (BF16_Optimizer over one rank: no reduction, hence no bucket; see stage 0)
-            one_rank_bf16 = w < 4 and world_size == 1 and not offload_optimizer
-            out["deepspeed_buffers"] = 0.0 if one_rank_bf16 else w * (bucket + flat)
+            bf16_opt = w < 4 and not offload_optimizer  # engine.py _do_optimizer_sanity_check
+            if not bf16_opt:
+                out["deepspeed_buffers"] = w * (bucket + flat)
+            elif world_size == 1:  # BF16_Optimizer over one rank: no reduction (see stage 0)
+                out["deepspeed_buffers"] = 0.0
+            else:
+                # BF16_Optimizer has no reduce_gradients: the engine's buffered_allreduce_fallback
+                # all-reduces its fp32 group buffers, copying only buckets of several groups
+                out["deepspeed_buffers"] = 4 * max(_fallback_flatten_peak(g) for g in s.group_sizes)
         else:
             # every backward fills the bucket (min(held, reduce_bucket_size)) and reduces it into
             # the rank's gradient partition (grads_in_partition), flattening one destination
             # rank's slice at a time (allreduce_no_retain -> allreduce_bucket)
             # bf16: the partition is kept in fp32 (grad_accum_dtype fp32)
             out["gradients"] = (4 if w < 4 else w) * s.part
-            out["deepspeed_buffers"] = w * (bucket + flat)
+            # the bucket is torch.empty(reduce_bucket_size) in the training dtype
+            # (stage_1_and_2.py setup_buckets): a GPU's allocator reserves it whole, on CPU only
+            # the pages written cost memory (tests/test_bf16.py)
+            alloc = DS_REDUCE_BUCKET if device == "cuda" else bucket
+            out["deepspeed_buffers"] = w * (alloc + flat)
     else:
         live = held if 2 * held <= DS_MAX_REUSE else DS_MAX_REUSE / 2 + DS_PREFETCH_BUCKET
         live = min(live, DS_MAX_LIVE, held)

@@ -213,6 +213,12 @@ def _model_config_from_hf(hf: dict[str, Any], mtype: str, mtp: bool) -> ModelCon
     )
     if v2:
         cfg.rope.interleave = True  # V2 always rotates complex pairs
+    if hf.get("moe_layer_freq", 1) not in (None, 1):
+        raise ConfigError(
+            f"moe_layer_freq={hf['moe_layer_freq']} is not supported: every layer from "
+            "first_k_dense_replace on is MoE here (and in stock transformers, which ignores the "
+            "field; DeepSeek's own code makes only every moe_layer_freq-th layer MoE)"
+        )
     if hf.get("attention_bias"):
         raise ConfigError(
             "attention_bias=true is not supported (DeepSeek models have none); set it to false"

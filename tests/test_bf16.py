@@ -253,6 +253,48 @@ def _router_init_worker(rank: int, world: int, port: int, stage: int, hf_dir: st
     torch.save(res, Path(out, f"stage{stage}.pt"))
 
 
+def _flatten_worker(rank: int, world: int, port: int, ep: int, bucket: int, out: str) -> None:
+    """The largest copy DeepSpeed's gradient all-reduce flattens in one bf16 ZeRO-1 step, with
+    its all-reduce bucket of `bucket` elements."""
+    _setup(rank, world, port)
+    from torch._utils import _flatten_dense_tensors
+
+    cfg, layout, model, eng = _engine("bf16", 1, world, ep)
+    copies = [0]
+
+    def flatten(ts):
+        flat = _flatten_dense_tensors(ts)
+        if flat.data_ptr() != ts[0].data_ptr():  # a new tensor, not a view of the one
+            copies.append(flat.numel() * flat.element_size())
+        return flat
+
+    ds = eng.engine
+    ds.flatten, allreduce = flatten, ds.allreduce_gradients
+    ds.allreduce_gradients = lambda bucket_size=bucket: allreduce(bucket_size=bucket_size)
+    _train_steps(cfg, layout, model, eng, 1, rank)
+    res = {"optimizer": type(ds.optimizer).__name__, "peak": max(copies)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _bucket_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The reduce buckets bf16 ZeRO-2 allocates (torch.empty: whole on a GPU's allocator, on CPU
+    only the pages touched), after one step."""
+    _setup(rank, world, port)
+    cfg, layout, model, eng = _engine("bf16", 2, world, 1)
+    opt, res = eng.engine.optimizer, {"bytes": 0, "dtypes": []}
+    setup = opt.setup_buckets
+
+    def setup_buckets():  # what a backward holds (released after each micro-batch's step)
+        setup()
+        bufs = [b for bucket in opt.ipg_buckets.values() for b in bucket.buffer]
+        res["bytes"] = max(res["bytes"], sum(b.numel() * b.element_size() for b in bufs))
+        res["dtypes"] = sorted({*res["dtypes"], *(str(b.dtype) for b in bufs)})
+
+    opt.setup_buckets = setup_buckets
+    _train_steps(cfg, layout, model, eng, 1, rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
 def _spawn(fn, world: int, *args) -> None:
     from tests.train_utils import free_port, run_then_exit
 
@@ -309,6 +351,56 @@ def test_bf16_engine_keeps_routing_and_accumulation_fp32(tmp_path, world, stage,
         # accumulation, as DeepSpeed's BF16_Optimizer without immediate_grad_update, is > +100%)
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=0.03)
         assert res["bias_step"] == pytest.approx([-1e-3, 1e-3], abs=1e-6)
+
+
+@pytest.mark.slow  # two 2-rank launches
+@pytest.mark.parametrize("ep", [1, 2])
+def test_bf16_zero1_gradient_allreduce_copies_what_count_predicts(tmp_path, ep):
+    """bf16 ZeRO-1 over several ranks runs DeepSpeed's BF16_Optimizer, whose fp32 gradient
+    buffers the engine all-reduces in buckets: a bucket of one buffer in place, one of several
+    through a new flat copy. `llmtrain count`'s deepspeed_buffers is that copy, at DeepSpeed's
+    500M-element bucket and at one smaller than the largest buffer."""
+    pytest.importorskip("deepspeed")
+    from llmtrain.accounting import (
+        DS_ALLREDUCE_BUCKET,
+        _fallback_flatten_peak,
+        _param_split,
+        memory_per_rank,
+    )
+    from llmtrain.config import load_config
+
+    c = load_config(CFG).model
+    split = _param_split(c, 2, ep)
+    small = int(max(max(g) for g in split.group_sizes if g)) - 1
+    for bucket in (DS_ALLREDUCE_BUCKET, small):
+        _spawn(_flatten_worker, 2, ep, bucket, str(tmp_path))
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert {g["optimizer"] for g in got} == {"BF16_Optimizer"}
+        pred = 4 * max(_fallback_flatten_peak(g, bucket) for g in split.group_sizes)
+        assert [g["peak"] for g in got] == [pred, pred], (bucket, got, pred)
+        if bucket == DS_ALLREDUCE_BUCKET:
+            assert memory_per_rank(c, 2, 1, ep, "bf16")["deepspeed_buffers"] == pred > 0
+
+
+@pytest.mark.slow  # a 2-rank launch
+def test_bf16_zero2_reduce_bucket_is_allocated_whole_as_count_says_on_cuda(tmp_path):
+    """ZeRO-2 allocates its reduce bucket at reduce_bucket_size whatever the rank holds (bf16:
+    low-precision staging); a GPU's allocator reserves all of it, which `count --device cuda`
+    adds (on CPU untouched pages cost nothing: the bucket counts what a rank holds)."""
+    pytest.importorskip("deepspeed")
+    from llmtrain.accounting import DS_REDUCE_BUCKET, _param_split, memory_per_rank
+    from llmtrain.config import load_config
+
+    _spawn(_bucket_worker, 2, str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] and got[0]["dtypes"] == ["torch.bfloat16"], got
+    assert got[0]["bytes"] == 2 * DS_REDUCE_BUCKET
+    c = load_config(CFG).model
+    s = _param_split(c, 2, 1)
+    flat = 2 * min(s.largest_group_part, s.held)
+    cuda, cpu = (memory_per_rank(c, 2, 2, 1, "bf16", device=d)["deepspeed_buffers"]
+                 for d in ("cuda", "cpu"))  # fmt: skip
+    assert cuda == got[0]["bytes"] + flat and cpu == 2 * s.held + flat
 
 
 @pytest.mark.slow

@@ -169,3 +169,7 @@ def test_unsupported_hidden_act_is_refused():
     assert model_config_from_hf({**hf, "hidden_act": "swish"}).n_routed_experts == 8
     with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
         model_config_from_hf({**hf, "hidden_act": "gelu"})
+    # DeepSeek's own code makes every 2nd layer MoE, transformers every one: refused, not guessed
+    assert model_config_from_hf({**hf, "moe_layer_freq": 1}).n_routed_experts == 8
+    with pytest.raises(ConfigError, match="moe_layer_freq=2 is not supported"):
+        model_config_from_hf({**hf, "moe_layer_freq": 2})
