@@ -8,6 +8,7 @@ from llmtrain.accounting import count
 from llmtrain.config import ModelConfig, load_config
 from llmtrain.hf import model_config_from_hf
 from llmtrain.model import MLACache, build_model, generate
+from llmtrain.model.attention import MLA
 
 from .conftest import FIXTURES, ROOT
 
@@ -575,9 +576,16 @@ def test_generate_left_padded_batch_and_chunked_prefill(debug_cfg, monkeypatch):
     monkeypatch.setattr(
         model.lm_head, "forward", lambda h, *x: rows.append(h.shape[:-1]) or orig(h, *x)
     )
+    queries = []  # the latent-cache path's scores are [B, H, T, S]: T at most PREFILL
+    absorbed = MLA._absorbed
+    monkeypatch.setattr(
+        MLA, "_absorbed", lambda self, qn, *x: queries.append(qn.shape[2]) or absorbed(self, qn, *x)
+    )
     for use_cache in (True, False):
         got = generate(model, batch, 12, attention_mask=am, use_cache=use_cache)[:, 11:]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), use_cache
+        if use_cache:
+            assert queries and max(queries) == 4 and queries.count(4) >= 2, queries  # 11 = 4+4+3
     assert all(r == (2,) or r == (0,) for r in rows), rows  # logits of the last positions only
     for bad in (am.flip(1), am[:, :5]):  # right padding; a mask of another shape
         with pytest.raises(ValueError, match="pad on the left"):
