@@ -176,7 +176,14 @@ def tensor_files(folder: Path, stem: str = "model") -> dict[str, str]:
     """tensor name -> file, for a sharded (index) or single-file set; missing files are errors."""
     index = folder / f"{stem}.safetensors.index.json"
     if index.is_file():
-        wmap = json.loads(index.read_text())["weight_map"]
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+            if not isinstance(wmap, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TensorFileError(
+                f"{index} is corrupt or unreadable ({type(e).__name__}: {e})"
+            ) from e
         for f in sorted(set(wmap.values())):
             if not (folder / f).is_file():
                 raise TensorFileError(f"{folder} is missing the shard {f} named in its index")

@@ -266,6 +266,17 @@ def _hf_dir(tmp: Path, **changes) -> Path:
     return _write(tmp / "hf" / "config.json", json.dumps(hf)).parent
 
 
+def _corrupt_index(tmp: Path) -> Path:
+    """A debug-sized HF directory whose shard index is cut short (a copy interrupted)."""
+    from llmtrain.config import load_config
+    from llmtrain.hf import hf_config_from_model
+
+    hf = _write(tmp / "hf" / "config.json",
+                json.dumps(hf_config_from_model(load_config(DEBUG).model))).parent  # fmt: skip
+    _write(hf / "model-00001-of-00001.safetensors", b"")
+    return _write(hf / "model.safetensors.index.json", '{"weight_map": ').parent
+
+
 @pytest.mark.parametrize(
     "make,needle",
     [
@@ -274,8 +285,9 @@ def _hf_dir(tmp: Path, **changes) -> Path:
         (lambda t: _write(t / "x" / "readme", "x").parent, "config.json"),
         (lambda t: t / "missing", "not a directory"),
         (lambda t: _hf_dir(t), "safetensors"),
+        (_corrupt_index, "model.safetensors.index.json is corrupt"),
     ],
-    ids=["gpt2", "no-model-type", "no-config", "missing-dir", "no-weights"],
+    ids=["gpt2", "no-model-type", "no-config", "missing-dir", "no-weights", "corrupt-index"],
 )
 def test_from_pretrained_raises_our_errors(tmp_path, make, needle):
     with pytest.raises(LlmtrainError, match=needle) as e:
@@ -352,6 +364,12 @@ def _export_cases():
         y = (ck2 / "config.yaml").read_text().replace("hidden_size: 64", "hidden_size: 128")
         (ck2 / "config.yaml").write_text(y)
         return ["export", str(ck2), "--out", str(t / "o")], ("shape",)
+
+    def newer_format(t, ck):  # a later release's checkpoint (or a damaged tensors.json)
+        ck2 = _copy_ckpt(ck, t / "ck2")
+        index = json.loads((ck2 / "tensors.json").read_text())
+        _write(ck2 / "tensors.json", json.dumps({**index, "format": "llmtrain-dcp-99"}))
+        return ["export", str(ck2), "--out", str(t / "o")], ("newer llmtrain",)
 
     def bad_dtype(t, ck):
         return ["export", str(ck), "--out", str(t / "o"), "--dtype", "fp8"], ("--dtype",)
@@ -497,7 +515,13 @@ def test_train_resume_from_unusable_checkpoints(tmp_path, capsys, one_process_en
         _write(
             src / f"{i}.txt", "".join(f"def f{j}(x):\n    return x + {i * j}\n" for j in range(40))
         )
-    for name, damage in (("no-optimizer", lambda c: None), ("truncated", lambda c: _truncate(c / "__0_0.distcp"))):  # fmt: skip
+
+    def newer(c):  # a later release's format: refused by name, as export refuses it
+        index = json.loads((c / "tensors.json").read_text())
+        _write(c / "tensors.json", json.dumps({**index, "format": "llmtrain-dcp-99"}))
+
+    for name, damage in (("no-optimizer", lambda c: None), ("truncated", lambda c: _truncate(c / "__0_0.distcp")),
+                         ("newer-format", newer)):  # fmt: skip
         ck2 = _copy_ckpt(ckpt, tmp_path / name)
         damage(ck2)
         before = _hashes([ck2])
@@ -507,6 +531,7 @@ def test_train_resume_from_unusable_checkpoints(tmp_path, capsys, one_process_en
         errors = [l for l in err.splitlines() if "error" in l.lower()]
         assert got != 0 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
         assert str(ck2) in errors[0] or "checkpoint" in errors[0].lower(), errors[0]
+        assert name != "newer-format" or "newer llmtrain" in errors[0], errors[0]
         assert _hashes([ck2]) == before
 
 

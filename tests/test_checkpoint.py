@@ -503,6 +503,28 @@ def test_a_resumed_checkpoint_becomes_latest_and_a_failed_save_puts_back_what_it
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000005", "step_00000010"]
 
 
+def test_a_resave_killed_between_its_renames_is_put_back_at_resume(tmp_path, caplog,
+                                                                  monkeypatch):  # fmt: skip
+    """Saving an existing step_N moves it to step_N.replaced, then renames step_N.tmp into place:
+    killed in between, `latest` names a missing step_N. resume=auto puts the complete copy back
+    (it was refused: "latest names step_N, which is incomplete or missing")."""
+    from llmtrain.train import checkpointing
+    from llmtrain.train.checkpointing import Checkpointer
+
+    monkeypatch.setattr(checkpointing.comm, "broadcast_object", lambda x: x)  # one rank
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    for s in (5, 10):
+        _fake_checkpoint(ck, s)
+    (ck / "latest").write_text("step_00000010")
+    (ck / "step_00000010").rename(ck / "step_00000010.replaced")
+    (ck / "step_00000010.tmp").mkdir()
+    with caplog.at_level("WARNING"):
+        assert Checkpointer(run, None, 0, keep_last=0).resolve("auto") == ck / "step_00000010"
+    assert "moved aside by a save killed midway" in caplog.text
+    assert fmt.is_complete(ck / "step_00000010") and not (ck / "step_00000010.replaced").exists()
+
+
 def test_a_rollback_undone_from_the_abandoned_folder_is_what_resume_auto_takes(tmp_path):
     """resume= a checkpoint in this run's abandoned-UTC/ folder: the checkpoints past it go aside
     in turn and `latest` holds its path, so a run stopped before its next save returns to it."""

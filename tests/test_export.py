@@ -355,6 +355,64 @@ def test_push_to_local_hub_and_load_back(ep_run, tmp_path):
     assert (got - want).abs().max() < 1e-4
 
 
+def test_push_refuses_an_incomplete_export_and_a_failed_upload_says_how_to_retry(ep_run, tmp_path):
+    """A push deletes the Hub's earlier weight files: a folder with a shard missing or cut short
+    (an export killed midway) is refused before anything is touched there. An unreachable Hub
+    (a transport error, not an OSError) is one line saying nothing was committed."""
+    import shutil
+    import socket
+
+    out = export(ep_run, tmp_path / "hf", dtype="fp32", shard_size="300KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    with FakeHub() as hub:
+        env = dict(os.environ, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1",
+                   HF_HOME=str(tmp_path / "hfhome"), HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+        assert _push(["--push-only", str(out), "--push-to-hub", "org/x"], env).returncode == 0
+        held, commits = dict(hub.repos["org/x"]["branches"]["main"]), len(hub.commits)
+        for damage in ("missing", "truncated"):
+            bad = tmp_path / damage
+            shutil.copytree(out, bad)
+            victim = bad / shards[1].name
+            if damage == "missing":
+                victim.unlink()
+            else:
+                victim.write_bytes(victim.read_bytes()[:-100])
+            p = _push(["--push-only", str(bad), "--push-to-hub", "org/x"], env)
+            assert p.returncode == 2 and "not a complete export" in p.stderr, p.stderr[-2000:]
+            assert "Traceback" not in p.stderr
+        assert hub.repos["org/x"]["branches"]["main"] == held and len(hub.commits) == commits
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    p = _push(["--push-only", str(out), "--push-to-hub", "org/x"],
+              {**env, "HF_ENDPOINT": f"http://127.0.0.1:{dead}"})  # fmt: skip
+    assert p.returncode == 2 and "nothing was committed" in p.stderr, p.stderr[-2000:]
+    assert "--push-only" in p.stderr and "bug" not in p.stderr and TOKEN not in p.stderr
+
+
+def test_secrets_in_the_config_are_not_published(ep_run, tmp_path):
+    """train.deepspeed passes through DeepSpeed's own sections, some of which hold credentials
+    (comet.api_key): the model card and llmtrain_config.yaml go to the Hub with the weights."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(ep_run, run)
+    secret = "sk-SECRET123"
+    for f in run.rglob("config.yaml"):
+        d = yaml.safe_load(f.read_text())
+        d["train"]["deepspeed"] = {**(d["train"].get("deepspeed") or {}),
+                                   "comet": {"enabled": False, "api_key": secret}}  # fmt: skip
+        f.write_text(yaml.safe_dump(d, sort_keys=False))
+    out = export(run, tmp_path / "hf", dtype="fp32")
+    for name in ("README.md", "llmtrain_config.yaml"):
+        text = (out / name).read_text()
+        assert secret not in text and "api_key" in text, name
+    load_config(out / "llmtrain_config.yaml")  # still a config
+
+
 def test_overwrite_never_deletes_a_run_or_other_files(ep_run, tmp_path):
     """`--overwrite` replaces an earlier export only: --out naming the run itself (or any run or
     checkpoint, or a folder that is not an export) is refused before anything is touched."""

@@ -752,6 +752,17 @@ def write_index(path: Path, tensors: dict[str, dict[str, Any]]) -> None:
     write_file(path / INDEX_FILE, json.dumps({"format": FORMAT, "tensors": tensors}, indent=1))
 
 
+def check_format(ck: Path, index: dict) -> None:
+    """Refuse a tensors.json this release cannot read (a newer release's, or damaged)."""
+    got = index.get("format") if isinstance(index, dict) else None
+    if got not in READABLE_FORMATS:
+        raise CheckpointError(
+            f"{ck / INDEX_FILE}: checkpoint format {got!r} is not one this llmtrain reads "
+            f"({', '.join(READABLE_FORMATS)}): written by a newer llmtrain (upgrade to read it), "
+            f"or the file is damaged ({RECOVER})"
+        )
+
+
 def write_file(path: Path, text: str | bytes) -> None:
     """Write and fsync a small file."""
     data = text.encode() if isinstance(text, str) else text
@@ -893,8 +904,7 @@ class ShardedReader:
             index = json.loads((self.dir / INDEX_FILE).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.dir / INDEX_FILE} is missing or corrupt: {e}") from e
-        if index.get("format") not in READABLE_FORMATS:
-            raise CheckpointError(f"{self.dir}: unknown checkpoint format {index.get('format')!r}")
+        check_format(self.dir, index)
         self.index: dict[str, dict] = index["tensors"]
         self._reader = RangedReader(str(self.dir))
         try:

@@ -280,7 +280,13 @@ def export(
         }
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         (tmp / "README.md").write_text(model_card(src, hf_cfg, mtp, law, license, files))
-        (tmp / "llmtrain_config.yaml").write_text((src.dir / "config.yaml").read_text())
+        import yaml
+
+        from llmtrain.export.card import redacted
+
+        (tmp / "llmtrain_config.yaml").write_text(
+            yaml.safe_dump(redacted(src.config.to_dict()), sort_keys=False)
+        )
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

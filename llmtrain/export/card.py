@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from llmtrain.accounting import count
@@ -81,11 +83,25 @@ def model_card(
         "## Config",
         "",
         "```yaml",
-        yaml.safe_dump(cfg.to_dict(), sort_keys=False).strip(),
+        yaml.safe_dump(redacted(cfg.to_dict()), sort_keys=False).strip(),
         "```",
         "",
     ]
     return "\n".join(lines)
+
+
+_SECRET = re.compile(r"(^|_)(api_?key|key|token|secret|password|credentials?)$", re.I)
+
+
+def redacted(d):
+    """The config with values under secret-looking keys (train.deepspeed's comet.api_key ...)
+    replaced: the card and llmtrain_config.yaml are published with the weights."""
+    if isinstance(d, dict):
+        return {k: "<redacted>" if _SECRET.search(str(k)) and v
+                else redacted(v) for k, v in d.items()}  # fmt: skip
+    if isinstance(d, list):
+        return [redacted(v) for v in d]
+    return d
 
 
 def _f(x) -> str:

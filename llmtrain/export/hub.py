@@ -16,6 +16,27 @@ class HubError(LlmtrainError, RuntimeError):
     pass
 
 
+def _check_complete(folder: Path) -> None:
+    """Every weight file the export names is there, whole: a push deletes the Hub's earlier
+    weight files (delete_patterns), so an incomplete folder would break a good repository."""
+    from llmtrain.tensor_io import TensorFileError, read_header, tensor_files
+
+    try:
+        files = sorted(set(tensor_files(folder, "model").values()))
+        for f in files:
+            h = read_header(folder / f)
+            with open(folder / f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+            end = max((v["data_offsets"][1] for v in h.values()), default=0)
+            if (folder / f).stat().st_size < 8 + n + end:
+                raise TensorFileError(f"{folder / f} is truncated")
+    except (TensorFileError, OSError) as e:
+        raise HubError(
+            f"{folder} is not a complete export ({e}); nothing was pushed; export "
+            "again with `llmtrain export ... --overwrite`"
+        ) from None
+
+
 def push(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
          token: str | None = None, commit_message: str | None = None) -> str:  # fmt: skip
     from huggingface_hub import HfApi, get_token
@@ -25,6 +46,7 @@ def push(folder: str | Path, repo_id: str, private: bool = False, revision: str 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise HubError(f"{folder} is not an export (no config.json); run `llmtrain export` first")
+    _check_complete(folder)
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
@@ -59,6 +81,12 @@ def push(folder: str | Path, repo_id: str, private: bool = False, revision: str 
         status = getattr(e.response, "status_code", "?")
         reason = str(e).splitlines()[0].replace(token, "***")
         raise HubError(f"the Hub refused the push (HTTP {status}: {reason}); {retry}") from None
-    except OSError as e:
-        raise HubError(f"could not reach the Hub ({e.__class__.__name__}); {retry}") from None
+    except HubError:
+        raise
+    except Exception as e:  # httpx transport errors are not OSErrors; hub's own RuntimeErrors
+        reason = " ".join(str(e).split())[:200].replace(token, "***")
+        raise HubError(
+            f"the upload failed ({type(e).__name__}: {reason}); nothing was committed "
+            f"to {repo_id}; {retry}"
+        ) from None
     return f"{url}" + (f"/tree/{revision}" if revision else "") + f" (as {user.get('name', '?')})"

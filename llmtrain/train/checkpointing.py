@@ -90,6 +90,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 if resume == "auto":
+                    self._recover_replaced()
                     found = fmt.latest_checkpoint(self.run_dir)
                 elif resume != "never":
                     found = fmt.resolve_checkpoint(resume)
@@ -100,6 +101,20 @@ class Checkpointer:
         if isinstance(found, Exception):
             raise CheckpointError(str(found))
         return Path(found) if found is not None else None
+
+    def _recover_replaced(self) -> None:
+        """A save of an existing step_N killed between moving step_N aside and renaming its
+        .tmp into place left `latest` naming a missing step_N: put the complete copy back."""
+        try:
+            name = (self.ckdir / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return
+        final = self.ckdir / name
+        aside = final.with_name(final.name + ".replaced")
+        if fmt.checkpoint_step(final) is not None and not final.exists() and fmt.is_complete(aside):
+            logger.warning("%s was moved aside by a save killed midway: restored", final)
+            aside.rename(final)
+            fmt.fsync_dir(self.ckdir)
 
     @staticmethod
     def read_state(ck: Path) -> dict:
@@ -316,7 +331,9 @@ class Checkpointer:
         return state
 
     def _restore_sharded(self, ck: Path, moments: bool = True) -> None:
-        index = fmt.read_json(ck / fmt.INDEX_FILE)["tensors"]
+        index = fmt.read_json(ck / fmt.INDEX_FILE)
+        fmt.check_format(ck, index)
+        index = index["tensors"]
         pieces, want = self._pieces(moments)
         missing = [n for n in want if n not in index]
         if missing:
