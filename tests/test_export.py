@@ -1,6 +1,7 @@
 """Export: trained checkpoints (any layout) -> stock transformers with the same logits; Hub push."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,6 +104,22 @@ def test_zero2_ep2_export_loads_in_stock_transformers(ep_run, tmp_path):
         and "tokens seen" in card
         and "Multi-token" in card
     )
+    # the card's parameter rows are what the files hold (the routers' bias is a buffer)
+    from llmtrain.tensor_io import read_header
+
+    numel = {"main": 0, "mtp": 0}
+    for f in sorted(set(idx.values())):
+        for name, h in read_header(out / f).items():
+            if name == "__metadata__" or name.endswith("e_score_correction_bias"):
+                continue
+            if not name.startswith("model.layers.3."):
+                numel["main"] += math.prod(h["shape"])
+            elif not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+                numel["mtp"] += math.prod(h["shape"])
+    row = {r.split("|")[1].strip(): int(r.split("|")[2].replace(",", "")) for r in card.splitlines()
+           if r.startswith("| ") and "parameters" in r or "prediction modules" in r}  # fmt: skip
+    assert row["total parameters"] == numel["main"], (row, numel)
+    assert [v for k, v in row.items() if k.startswith("multi-token")] == [numel["mtp"]], row
 
 
 def test_verify_bf16_and_drop_mtp(ep_run, tmp_path):
