@@ -350,6 +350,16 @@ def _param_split(c: ModelConfig, world_size: int, ep_size: int) -> ParamSplit:
     )
 
 
+def _ipg_bucket(w: int, zero_stage: int, used: float, device: str) -> float:
+    """Bytes of ZeRO-1/2's reduce bucket: torch.empty(reduce_bucket_size) (stage_1_and_2.py
+    setup_buckets), which a GPU's allocator reserves whole and a CPU's only where written (the
+    `used` elements). Its dtype: fp32 where bf16 is accumulated in fp32 at stage 1 outside
+    BF16_Optimizer (offload: use_grad_accum_attribute), else the training dtype (measured on 2
+    gloo ranks, tests/test_bf16.py)."""
+    nbytes = 4 if (w < 4 and zero_stage == 1) else w
+    return nbytes * (DS_REDUCE_BUCKET if device == "cuda" else used)
+
+
 def _fallback_flatten_peak(sizes: list[float], bucket: int = DS_ALLREDUCE_BUCKET) -> float:
     """Largest copy engine.allreduce_no_retain makes of these whole tensors (BF16_Optimizer's
     per-group fp32 gradient buffers): tensors join a bucket until it passes `bucket` elements;
@@ -573,7 +583,7 @@ def memory_per_rank(
                 out["gradients"] = 4 * held
             bf16_opt = w < 4 and not offload_optimizer  # engine.py _do_optimizer_sanity_check
             if not bf16_opt:
-                out["deepspeed_buffers"] = w * (bucket + flat)
+                out["deepspeed_buffers"] = _ipg_bucket(w, 1, bucket, device) + w * flat
             elif world_size == 1:  # BF16_Optimizer over one rank: no reduction (see stage 0)
                 out["deepspeed_buffers"] = 0.0
             else:
@@ -586,11 +596,7 @@ def memory_per_rank(
             # rank's slice at a time (allreduce_no_retain -> allreduce_bucket)
             # bf16: the partition is kept in fp32 (grad_accum_dtype fp32)
             out["gradients"] = (4 if w < 4 else w) * s.part
-            # the bucket is torch.empty(reduce_bucket_size) in the training dtype
-            # (stage_1_and_2.py setup_buckets): a GPU's allocator reserves it whole, on CPU only
-            # the pages written cost memory (tests/test_bf16.py)
-            alloc = DS_REDUCE_BUCKET if device == "cuda" else bucket
-            out["deepspeed_buffers"] = w * (alloc + flat)
+            out["deepspeed_buffers"] = _ipg_bucket(w, 2, bucket, device) + w * flat
     else:
         live = held if 2 * held <= DS_MAX_REUSE else DS_MAX_REUSE / 2 + DS_PREFETCH_BUCKET
         live = min(live, DS_MAX_LIVE, held)

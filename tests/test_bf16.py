@@ -276,11 +276,12 @@ def _flatten_worker(rank: int, world: int, port: int, ep: int, bucket: int, out:
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def _bucket_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The reduce buckets bf16 ZeRO-2 allocates (torch.empty: whole on a GPU's allocator, on CPU
-    only the pages touched), after one step."""
+def _bucket_worker(rank: int, world: int, port: int, stage: int, offload: bool, out: str):
+    """The reduce buckets bf16 ZeRO-1/2 allocate (torch.empty: whole on a GPU's allocator, on CPU
+    only the pages touched) in one step."""
     _setup(rank, world, port)
-    cfg, layout, model, eng = _engine("bf16", 2, world, 1)
+    cfg, layout, model, eng = _engine("bf16", stage, world, 1,
+                                      [f"train.offload_optimizer={str(offload).lower()}"])  # fmt: skip
     opt, res = eng.engine.optimizer, {"bytes": 0, "dtypes": []}
     setup = opt.setup_buckets
 
@@ -382,25 +383,31 @@ def test_bf16_zero1_gradient_allreduce_copies_what_count_predicts(tmp_path, ep):
             assert memory_per_rank(c, 2, 1, ep, "bf16")["deepspeed_buffers"] == pred > 0
 
 
-@pytest.mark.slow  # a 2-rank launch
-def test_bf16_zero2_reduce_bucket_is_allocated_whole_as_count_says_on_cuda(tmp_path):
-    """ZeRO-2 allocates its reduce bucket at reduce_bucket_size whatever the rank holds (bf16:
-    low-precision staging); a GPU's allocator reserves all of it, which `count --device cuda`
+@pytest.mark.slow  # a 2-rank launch each (the offloaded one: DeepSpeed's CPU Adam)
+@pytest.mark.parametrize("stage,offload,dtype", [(2, False, "torch.bfloat16"),
+                                                 (1, True, "torch.float32")])  # fmt: skip
+def test_bf16_reduce_bucket_is_allocated_whole_as_count_says_on_cuda(tmp_path, stage, offload,
+                                                                     dtype):  # fmt: skip
+    """ZeRO-1/2 allocate the reduce bucket at reduce_bucket_size whatever the rank holds: in
+    bf16 at ZeRO-2, in fp32 at an offloaded ZeRO-1 (DeepSpeed's ZeRO optimizer accumulating in
+    fp32, not BF16_Optimizer). A GPU's allocator reserves all of it, which `count --device cuda`
     adds (on CPU untouched pages cost nothing: the bucket counts what a rank holds)."""
     pytest.importorskip("deepspeed")
     from llmtrain.accounting import DS_REDUCE_BUCKET, _param_split, memory_per_rank
     from llmtrain.config import load_config
 
-    _spawn(_bucket_worker, 2, str(tmp_path))
+    _spawn(_bucket_worker, 2, stage, offload, str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert got[0] == got[1] and got[0]["dtypes"] == ["torch.bfloat16"], got
-    assert got[0]["bytes"] == 2 * DS_REDUCE_BUCKET
+    assert got[0] == got[1] and got[0]["dtypes"] == [dtype], got
+    nbytes = torch.empty(0, dtype=getattr(torch, dtype.split(".")[1])).element_size()
+    assert got[0]["bytes"] == nbytes * DS_REDUCE_BUCKET
     c = load_config(CFG).model
     s = _param_split(c, 2, 1)
     flat = 2 * min(s.largest_group_part, s.held)
-    cuda, cpu = (memory_per_rank(c, 2, 2, 1, "bf16", device=d)["deepspeed_buffers"]
-                 for d in ("cuda", "cpu"))  # fmt: skip
-    assert cuda == got[0]["bytes"] + flat and cpu == 2 * s.held + flat
+    cuda, cpu = (memory_per_rank(c, 2, stage, 1, "bf16", device=d, offload_optimizer=offload)
+                 ["deepspeed_buffers"] for d in ("cuda", "cpu"))  # fmt: skip
+    staging = 2 * s.part if offload else 0  # ZeRO-Offload's bf16 copy of the partition (host)
+    assert cuda == got[0]["bytes"] + flat and cpu == nbytes * s.held + flat + staging
 
 
 @pytest.mark.slow

@@ -44,9 +44,14 @@ def model_card(
         "|---|---|",
         f"| total parameters | {c.total_params:,} |",
         f"| active parameters per token | {c.active_params:,} |",
-        *([f"| multi-token prediction modules (in the files besides the total, each with a copy "
-           f"of the embedding and head; unused by transformers) | {c.mtp_params:,} |"]
-          if mc.mtp_depth and mtp else []),  # fmt: skip
+        *(
+            [
+                f"| multi-token prediction modules (in the files besides the total, each with a copy "
+                f"of the embedding and head; unused by transformers) | {c.mtp_params:,} |"
+            ]
+            if mc.mtp_depth and mtp
+            else []
+        ),  # fmt: skip
         f"| training steps | {st.get('step')} |",
         f"| tokens seen | {st.get('tokens_seen', 0):,} |",
         f"| training FLOPs (from the model accounting) | {st.get('flops', 0):.4g} |",
