@@ -97,13 +97,16 @@ def _matches_one_process(ref: list[dict], got: list[dict]) -> None:
     assert _rel(ref[-1]["val_loss"], got[-1]["val_loss"]) < 1e-4
 
 
-@pytest.mark.slow  # ~1.5 min: 4 ranks on 2 cores
-def test_four_ranks_ep2_match_one_process(reference, cache, tmp_path):
+@pytest.mark.slow  # ~1-1.5 min each: 4 ranks on 2 cores
+@pytest.mark.parametrize("stage", [1, 3])
+def test_four_ranks_ep2_match_one_process(reference, cache, tmp_path, stage):
     """EP 2 x 2 expert-data-parallel replicas: the one layout where expert gradients averaged
     over the world (right) differ from averages over the EP group or the replicas (a wrong
-    factor of 2, which the gradient norm shows)."""
+    factor of 2, which the gradient norm shows). ZeRO-1 (and 2) reduce experts over DeepSpeed's
+    expert-data-parallel groups, ZeRO-3 partitions and reduces each expert parameter over them
+    in its own way: both."""
     run = tmp_path / "run"
-    run_train(run, 4, base(cache, "parallel.zero_stage=1", "parallel.ep_size=2"))
+    run_train(run, 4, base(cache, f"parallel.zero_stage={stage}", "parallel.ep_size=2"))
     ref, got = metrics(reference), metrics(run)
     _matches_one_process(ref, got)
     assert "moe/ep_rank_max_over_mean" not in ref[0]
