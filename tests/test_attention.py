@@ -145,3 +145,38 @@ def test_one_head_dim_padding_leaves_attention_unchanged(v_dim):
     got = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=0.3)[..., :v_dim]
     want = reference_attention(q, k, v, 0.3, torch.ones(5, 5, dtype=torch.bool).tril())
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+
+
+def test_flex_probe_inside_a_checkpointed_block_leaves_backward_and_the_rng_alone(monkeypatch):
+    """On CUDA the first FlexAttention call of a shape is probed (a forward + backward on random
+    inputs), inside the first block: with activation checkpointing that block is checkpointed,
+    and the probe's saved tensors, counted in its forward but not in its recompute (which skips
+    the probe), failed the first backward with a CheckpointError; its random draws moved the
+    run's generator. CPU stand-in (FlexAttention has no CPU backward): a dense differentiable
+    kernel in its place, the probe enabled for CPU."""
+    import llmtrain.model.attention as A
+    import llmtrain.model.transformer as TR
+    from llmtrain.config import load_config
+
+    def dense_flex(q, k, v, scale, mask, compiled):
+        return reference_attention(q, k, v, scale, mask.dense()).to(q.dtype)
+
+    monkeypatch.setattr(A, "_flex", dense_flex)
+    monkeypatch.setattr(A, "FLEX_PROBED_ON", {"cpu"})
+    monkeypatch.setattr(A, "_flex_failed", [])
+    for mod in (A, TR):
+        monkeypatch.setattr(mod, "document_backend", lambda backend, q: "flex")
+    cfg = load_config("configs/debug.yaml").model
+    ids = _docs(t=64, eos=3)
+    losses = []
+    for ckpt in (False, True):
+        monkeypatch.setattr(A, "_flex_probed", set())
+        model = build_model(cfg, seed=0).train()
+        model.gradient_checkpointing = ckpt
+        state = torch.get_rng_state()
+        out = model(ids, labels=ids.roll(-1, 1), attention_mask=DocumentMask.from_eos(ids, 3))
+        out.loss.backward()
+        assert A._flex_probed and not A._flex_failed, A._flex_failed
+        assert torch.equal(torch.get_rng_state(), state)
+        losses.append(out.loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

@@ -153,7 +153,8 @@ class DocumentMask:
     def varlen(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens int32 [n_docs + 1] over the flattened B·T tokens, longest document).
 
-        One host sync (the longest length) per forward; documents never span two rows.
+        Two host syncs per forward (the document starts' count in `nonzero`, the longest
+        length), made once in `prepare` before the layers; documents never span two rows.
         """
         if self._varlen is None:
             d = self.doc_BT
@@ -270,6 +271,7 @@ def _flex(q_BHTE, k_BHSE, v_BHSV, scale: float, mask: DocumentMask, compiled: bo
 
 _flex_failed: list[str] = []  # why FlexAttention was given up (then dense SDPA is used)
 _flex_probed: set[tuple] = set()
+FLEX_PROBED_ON = {"cuda"}  # device types whose FlexAttention is probed first (compiled there)
 
 
 def _flex_works(
@@ -284,16 +286,22 @@ def _flex_works(
     if torch.compiler.is_compiling():  # inside a compiled block: compiled with it, no fallback
         return True
     key = (tuple(q_BHTE.shape), tuple(v_BHSV.shape), q_BHTE.dtype, q_BHTE.device, scale)
-    if key in _flex_probed or not q_BHTE.is_cuda:
+    if key in _flex_probed or q_BHTE.device.type not in FLEX_PROBED_ON:
         return True
     _flex_probed.add(key)
+    dev = q_BHTE.device
+    # identity saved-tensor hooks: inside a checkpointed block (activation checkpointing) the
+    # checkpoint would pack the probe's saved tensors too, counting them in its forward but not
+    # in its recompute (which skips the probe): a CheckpointError in backward. fork_rng: the
+    # probe's random inputs leave the run's generator where it was (a resume draws the same)
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), keep, torch.random.fork_rng([dev] if dev.type == "cuda" else []):
             q, k, v = (
-                torch.randn(x.shape, device=x.device, dtype=x.dtype, requires_grad=True)
+                torch.randn(x.shape, device=dev, dtype=x.dtype, requires_grad=True)
                 for x in (q_BHTE, q_BHTE, v_BHSV)
             )
-            _flex(q, k, v, scale, mask, compiled=True).float().sum().backward()
+            _flex(q, k, v, scale, mask, compiled=q_BHTE.is_cuda).float().sum().backward()
     except Exception as e:  # an unsupported shape or compiler: run on, densely
         _flex_failed.append(repr(e))
         logger.warning(
