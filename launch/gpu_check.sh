@@ -291,10 +291,16 @@ if a.exists():
     print("\n" + text)
     m = re.search(r"MFU <= ([\d.e+-]+)%", text)
     bound = float(m.group(1)) / 100 if m else None
+def cases(x):  # a step killed while writing leaves a cut file: said, and the rest printed
+    try:
+        return list(ET.parse(x).getroot().iter("testcase"))
+    except ET.ParseError as e:
+        print(f"  {x.name} is unreadable ({e}): its step was cut short")
+        return []
 xs = [x for x in (out / "tests_gpu.xml", out / "tests_gpu_train.xml") if x.exists()]
 if xs:
     print("\ntests/gpu:")
-    for tc in (tc for x in xs for tc in ET.parse(x).getroot().iter("testcase")):
+    for tc in (tc for x in xs for tc in cases(x)):
         state = "passed"
         for kind in ("failure", "error", "skipped"):
             el = tc.find(kind)
@@ -303,8 +309,10 @@ if xs:
         print(f"  {tc.get('name'):<58} {state}")
 rows = []
 for f in sorted(out.glob("gpu_train_*.json")):
-    r = json.loads(f.read_text())
-    rows.append(r)
+    try:
+        rows.append(json.loads(f.read_text()))
+    except ValueError as e:
+        print(f"{f.name} is unreadable ({e}): its run was cut short")
 if rows:
     # loss at the first and last step: the two 1B runs see the same data and seed
     print(f"\n{'run':<14} {'compile':>15} {'seq/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "

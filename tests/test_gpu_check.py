@@ -215,3 +215,19 @@ def test_gpu_check_passes_when_the_budget_misses_only_an_optional_step(tmp_path)
     assert p.returncode == 0, log[-3000:]
     assert re.search(r"\nkernels +no-time-optional", log), log[-3000:]
     assert "rerun the rest" not in log
+
+
+def test_gpu_check_summary_survives_files_a_killed_step_cut_short(tmp_path):
+    """A step killed while writing (its time ran out) leaves a cut junit XML or JSON under $OUT:
+    the summary says so and prints the rest, instead of losing the table to a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tests_gpu.xml").write_text('<?xml version="1.0"?><testsuites><testsuite name="py')
+    (out / "gpu_train_moe_1b.json").write_text('{"name": "moe_1b", "tokens_per')
+    (out / "gpu_train_moe_100m.json").write_text(json.dumps({"name": "moe_100m", "mfu": 0.1}))
+    skip = ("setup prepare_data bench_moe_1b tests_gpu tests_gpu_train bench_moe_100m "
+            "bench_moe_1b_wide bench_moe_1b_graphs kernels")  # fmt: skip
+    p, log = _smoke_check(tmp_path, budget=10, skip=skip)
+    assert p.returncode == 0, log[-3000:]
+    assert "tests_gpu.xml is unreadable" in log and "gpu_train_moe_1b.json is unreadable" in log
+    assert "\nmoe_100m " in log and "Traceback" not in log, log[-3000:]
