@@ -216,7 +216,9 @@ class ModelConfig:
 class DataConfig:
     """Text sources, tokenizer and the prepared-shard cache."""
 
-    sources: list = field(default_factory=lambda: ["builtin:stdlib"])  # paths, hf:NAME[@SPLIT]
+    sources: list = field(
+        default_factory=lambda: ["builtin:stdlib"]
+    )  # paths, hf:NAME[@SPLIT][#REV]
     text_field: str = "text"  # jsonl / parquet / datasets column
     streaming: bool = True  # hf: sources: stream (true) or let `datasets` download them first
     tokenizer: str = "train"  # "train" (byte-level BPE of model.vocab_size) or a tokenizer dir/file

@@ -17,6 +17,20 @@ TOKEN = "hf_test_token_0123456789"
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
+def send(h: BaseHTTPRequestHandler, code, body=b"", headers=None, json_body=None) -> None:
+    """One response: a JSON body when `json_body` is given, no body to a HEAD request."""
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+        headers = {"Content-Type": "application/json", **(headers or {})}
+    h.send_response(code)
+    for k, v in (headers or {}).items():
+        h.send_header(k, v)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    if h.command != "HEAD":
+        h.wfile.write(body)
+
+
 class FakeHub:
     def __init__(self):
         self.repos: dict[
@@ -48,16 +62,7 @@ class FakeHub:
                 pass
 
             def _send(self, code, body=b"", headers=None, json_body=None):
-                if json_body is not None:
-                    body = json.dumps(json_body).encode()
-                    headers = {"Content-Type": "application/json", **(headers or {})}
-                self.send_response(code)
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
+                send(self, code, body, headers, json_body)
 
             def _err(self, code, msg, error_code=None):
                 h = {"X-Error-Message": msg}

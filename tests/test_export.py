@@ -461,3 +461,22 @@ def test_verify_passes_when_the_prompt_holds_the_pad_id(tmp_path):
     assert 0 in ids[0, :8]  # the case this test is about
     v = verify(tmp_path, tmp_path)
     assert v["max_abs_logit_diff"] <= v["bound"] and v["generate_equal"], v
+
+
+def test_card_lists_mixture_sources_and_pinned_hub_datasets():
+    """data.sources may hold mixture entries ({path, weight}) and hf:NAME#REVISION: the card's
+    Hub metadata names the dataset, its table each source (a mixture entry broke the card)."""
+    import types
+
+    import yaml
+
+    from llmtrain.export.card import model_card
+    from llmtrain.hf import hf_config_from_model
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml",
+                      ['data.sources=[{path: "hf:org/web:en@train#abc123", weight: 2}, a.jsonl]'])  # fmt: skip
+    src = types.SimpleNamespace(config=cfg, state={"step": 1, "world_size": 1})
+    card = model_card(src, hf_config_from_model(cfg.model), False, None, "apache-2.0", [])
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["datasets"] == ["org/web"], meta
+    assert "| data | hf:org/web:en@train#abc123 (weight 2), a.jsonl |" in card

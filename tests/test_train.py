@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -202,6 +203,17 @@ def test_validation_loss_scores_train_eval_sequences(cache, tmp_path):
         got[n] = metrics(run)[-1]["val_loss"]
     assert got[1] != got[2] and got[1] != got[0], got
     assert got[0] == got[t.eval_batches * t.global_batch_size], got
+
+
+def test_training_past_one_epoch_is_said(tmp_path):
+    """More steps than the training split holds sequences for: repeated data, said at start."""
+    p = run_train(tmp_path / "run", 1, ["train.max_steps=14", "data.max_bytes=40000",
+                                        "data.val_percent=30", f"data.cache_dir={tmp_path / 'c'}",
+                                        "train.sample_tokens=0", "train.tensorboard=false"])  # fmt: skip
+    line = next((x for x in p.stderr.splitlines() if "reads the training split" in x), "")
+    assert re.search(r"\(\d+ sequences of 128\) 1\.\d+ times: from step 14 on", line), p.stderr[
+        -3000:
+    ]
 
 
 def test_time_limit_counts_from_the_jobs_start(monkeypatch, tmp_path):

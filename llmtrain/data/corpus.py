@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import json
 import logging
 import math
+import os
 import sysconfig
 import zlib
 from collections.abc import Iterator
@@ -37,6 +39,11 @@ _SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".txt")
 
 class DataError(LlmtrainError, ValueError):
     """Bad data input: the message says which path or field and what to change."""
+
+
+class SourceUnavailable(LlmtrainError):
+    """A source could not be reached for now (the Hub offline or failing): not a DataError, so
+    the partial preparation is kept and a rerun resumes it."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ def iter_items(
     text_field: str = "text",
     streaming: bool = True,
     val_percent: float | None = None,
+    revisions: dict[str, str] | None = None,
 ) -> Iterator[Item]:
     """Every item of every source in a fixed order, mixture copies included. A source of weight
     W > 1 is read in ceil(W) passes, copy k of a document in pass k, so copies lie a whole source
@@ -139,7 +147,8 @@ def iter_items(
     for src in sources:
         for k in range(max(1, math.ceil(src.weight))):
             if src.spec.startswith("hf:"):
-                for item in _iter_hf(src.spec[3:], text_field, streaming):
+                rev = (revisions or {}).get(src.spec)
+                for item in _iter_hf(src.spec[3:], text_field, streaming, rev):
                     if taken(item[0], src.weight) > k:
                         yield item
                 continue
@@ -261,6 +270,38 @@ def _cut(text: str, anyhow: bool = False) -> int:
     return (text.rfind("\n") + 1 or len(text)) if anyhow else 0
 
 
+def check_columns(sources: list[Source], text_field: str) -> None:
+    """Every local Parquet/Arrow file has the text column, read from its footer or schema
+    (milliseconds a file) before any encoding: found while streaming, the file a TB corpus
+    reaches after hours would fail the whole preparation then. Unreadable files are left to
+    the reader (counted as bad records)."""
+    for src in sources:
+        if src.spec.startswith("hf:"):
+            continue
+        for f in source_files(src.spec):
+            kind = _kind(f)
+            if kind not in ("parquet", "arrow"):
+                continue
+            import pyarrow as pa  # only for such files: JSONL and text never load it
+            import pyarrow.parquet as pq
+
+            try:
+                if kind == "parquet":
+                    names = pq.read_schema(f).names
+                elif kind == "arrow":
+                    with pa.memory_map(str(f)) as m:
+                        try:
+                            names = pa.ipc.open_file(m).schema.names
+                        except pa.ArrowInvalid:
+                            m.seek(0)
+                            names = pa.ipc.open_stream(m).schema.names
+            except (pa.ArrowException, OSError):
+                continue
+            if text_field not in names:
+                raise DataError(f"{f}: no column {text_field!r}; columns are {names} "
+                                "(set data.text_field, or leave the file out of data.sources)")  # fmt: skip
+
+
 def _column_batches(f: Path, text_field: str, batches, name: str) -> Iterator[Item]:
     i = 0
     for b in batches:
@@ -314,31 +355,87 @@ def _iter_arrow(f: Path, text_field: str, name: str) -> Iterator[Item]:
         yield name, "bad", f"{f}: unreadable part ({e})", True
 
 
-def hf_parts(spec: str) -> tuple[str, str, str]:
-    """`NAME[:CONFIG][@SPLIT]` (an `hf:` source without its prefix) -> (name, config, split)."""
+def hf_parts(spec: str) -> tuple[str, str, str, str]:
+    """`NAME[:CONFIG][@SPLIT][#REVISION]` (an `hf:` source without its prefix) ->
+    (name, config, split, revision)."""
+    spec, _, revision = spec.partition("#")
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
-    return name, config, split
+    return name, config, split, revision
 
 
-def _iter_hf(spec: str, text_field: str, streaming: bool = True) -> Iterator[Item]:
-    """`hf:NAME[:CONFIG][@SPLIT]` — a Hub dataset, or a local dataset directory or script —
-    streamed through `datasets` (nothing is downloaded whole or converted first), or with
-    `streaming=False` (data.streaming) downloaded and cached by `datasets` first."""
+def hf_hub_revision(spec: str) -> str | None:
+    """The commit an `hf:` Hub source reads: its pinned #REVISION resolved, or the head's now;
+    None for a local dataset folder or script."""
+    name, _, _, revision = hf_parts(spec[3:])
+    if Path(name).exists():
+        return None
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0"):
+        logger.warning("%s: offline, so the commit read is not resolved nor recorded (datasets "
+                       "reads its cache)", spec)  # fmt: skip
+        return revision or None
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return HfApi().dataset_info(name, revision=revision or None).sha
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
+        what = "revision" if isinstance(e, RevisionNotFoundError) else "dataset"
+        raise DataError(f"data source {spec}: no such {what} on the Hub, or no access to it "
+                        f"({type(e).__name__}); check the name and #REVISION; a private or gated "
+                        "dataset needs HF_TOKEN (or `hf auth login`) and its terms accepted") from e  # fmt: skip
+    except OSError as e:  # offline, connection, 5xx
+        raise SourceUnavailable(f"data source {spec}: the Hub cannot be reached ({e}); rerun "
+                                "when it can (work done so far is kept)") from e  # fmt: skip
+
+
+def hf_key(label: str, text) -> str:
+    """A Hub row's document key: its content, not its position, so rows keep their split when
+    files are added or reordered (a running index shifts every later row) and exact duplicates
+    share one split."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else repr(text).encode()
+    return f"{label}:{hashlib.blake2b(raw, digest_size=8).hexdigest()}"
+
+
+def _iter_hf(
+    spec: str, text_field: str, streaming: bool = True, revision: str | None = None
+) -> Iterator[Item]:
+    """`hf:NAME[:CONFIG][@SPLIT][#REVISION]` — a Hub dataset, or a local dataset directory or
+    script — streamed through `datasets` (nothing is downloaded whole or converted first), or
+    with `streaming=False` (data.streaming) downloaded and cached by `datasets` first.
+    `revision` (a commit recorded when the preparation began) overrides the spec's."""
     import datasets
 
-    name, config, split = hf_parts(spec)
+    name, config, split, pinned = hf_parts(spec)
+    revision = revision or pinned or None
     try:
         ds = datasets.load_dataset(name, config or None, split=split or "train",
-                                   streaming=streaming)  # fmt: skip
-    except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ...)
+                                   streaming=streaming, revision=revision)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:  # no such dataset/config/split, no access
         raise DataError(f"data source hf:{spec}: cannot open with datasets ({e})") from e
+    except Exception as e:  # offline, connection, 5xx: transient, keep the work done
+        raise SourceUnavailable(f"data source hf:{spec}: cannot reach it now ({e}); rerun to "
+                                "resume (work done so far is kept)") from e  # fmt: skip
     # the split hashes the key: a local folder is named by itself, not by how its path is spelled
     label = Path(name).resolve().name if Path(name).is_dir() else name
-    for i, row in enumerate(ds):
-        if text_field not in row:
-            raise DataError(f"dataset {name}: no field {text_field!r} (set data.text_field)")
-        yield f"{label}:{i}", "text", row[text_field], True
+    i = -1
+    try:
+        for i, row in enumerate(ds):  # noqa: B007 (i is reported on a failure)
+            if text_field not in row:
+                raise DataError(f"dataset {name}: no field {text_field!r}; fields are "
+                                f"{sorted(row)} (set data.text_field)")  # fmt: skip
+            yield hf_key(label, row[text_field]), "text", row[text_field], True
+    except (DataError, GeneratorExit):
+        raise
+    except Exception as e:
+        raise SourceUnavailable(f"data source hf:{spec}: reading failed after {i + 1:,} rows "
+                                f"({e}); rerun to resume (work done so far is kept)") from e  # fmt: skip
 
 
 def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
@@ -354,8 +451,11 @@ def parse_item(item: Item, text_field: str) -> tuple[str | None, str | None]:
             return None, f"{where}: not UTF-8"
         except json.JSONDecodeError as e:
             return None, f"{where}: not valid JSON ({e.msg})"
-        if not isinstance(row, dict) or text_field not in row:
-            return None, f"{where}: no field {text_field!r} (set data.text_field)"
+        if not isinstance(row, dict):
+            return None, f"{where}: a JSON {type(row).__name__}, not an object with {text_field!r}"
+        if text_field not in row:
+            return None, (f"{where}: no field {text_field!r}; fields are {sorted(row)[:20]} "
+                          "(set data.text_field)")  # fmt: skip
         payload = row[text_field]
     if payload is None:
         return None, None

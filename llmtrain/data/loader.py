@@ -13,6 +13,7 @@ permutations are stateless bijections (`permute`): O(1) memory per rank at any c
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -41,7 +42,7 @@ class PackedDataset:
         self.dtype = dtype
         self.files = [self._check(s, dtype) for s in shards]
         self.starts = np.cumsum([0] + [int(s["tokens"]) for s in shards])
-        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # the recently used shards
+        self._maps: OrderedDict[int, int] = OrderedDict()  # descriptors of recently read shards
         self.n_tokens = int(self.starts[-1])
         self.seq_len = seq_len
         self.n_seq = (self.n_tokens - 1) // seq_len
@@ -66,33 +67,57 @@ class PackedDataset:
                             f"(truncated or overwritten); delete {self.root} to prepare the data again")  # fmt: skip
         return f
 
-    def shard(self, k: int) -> np.ndarray:
-        """Shard k's tokens, memory-mapped on first use; at most OPEN_SHARDS stay mapped."""
-        m = self._maps.get(k)
-        if m is not None:
+    def _fd(self, k: int) -> int:
+        """Shard k's file descriptor, opened on first use; at most OPEN_SHARDS stay open."""
+        fd = self._maps.get(k)
+        if fd is not None:
             self._maps.move_to_end(k)
-            return m
-        if self.starts[k + 1] == self.starts[k]:
-            m = np.empty(0, dtype=self.dtype)
-        else:
-            m = np.memmap(self.files[k], dtype=self.dtype, mode="r")
-        self._maps[k] = m
+            return fd
+        fd = self._maps[k] = os.open(self.files[k], os.O_RDONLY)
         if len(self._maps) > OPEN_SHARDS:
-            self._maps.popitem(last=False)  # its descriptor closes with the map
-        return m
+            os.close(self._maps.popitem(last=False)[1])
+        return fd
+
+    def shard(self, k: int) -> np.ndarray:
+        """Shard k's tokens, memory-mapped (whole-split statistics; training reads use pread)."""
+        if self.starts[k + 1] == self.starts[k]:
+            return np.empty(0, dtype=self.dtype)
+        return np.memmap(self.files[k], dtype=self.dtype, mode="r")
 
     def _range(self, a: int, b: int) -> np.ndarray:
+        """Tokens a..b of the split, read with pread: a shard cut short under a running job
+        is a DataError naming it (a memory map would kill the rank with SIGBUS)."""
         out = np.empty(b - a, dtype=np.int64)
         k = int(np.searchsorted(self.starts, a, side="right") - 1)
+        size = self.dtype.itemsize
         pos = a
         while pos < b:
-            m = self.shard(k)
             lo = pos - self.starts[k]
-            hi = min(len(m), b - self.starts[k])
-            out[pos - a : pos - a + hi - lo] = m[lo:hi]
+            hi = min(self.starts[k + 1], b) - self.starts[k]
+            if hi > lo:
+                want, fd = int(hi - lo) * size, self._fd(k)
+                buf = os.pread(fd, want, int(lo) * size)
+                if len(buf) != want:
+                    raise DataError(
+                        f"prepared shard {self.files[k]} holds {os.fstat(fd).st_size} bytes, its "
+                        f"index says {int(self.starts[k + 1] - self.starts[k]) * size}: it was "
+                        f"truncated or replaced while in use; delete {self.root} to prepare the "
+                        "data again, then resume"
+                    )
+                out[pos - a : pos - a + hi - lo] = np.frombuffer(buf, dtype=self.dtype)
             pos += hi - lo
             k += 1
         return out
+
+    def close(self) -> None:
+        while self._maps:
+            os.close(self._maps.popitem()[1])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def unigram_entropy(self, max_tokens: int = 50_000_000) -> float:
         """Entropy (nats) of the token frequencies: the loss of the best context-free model.

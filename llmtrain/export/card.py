@@ -16,7 +16,9 @@ def model_card(
     mc = cfg.model
     c = count(mc, seq_len=cfg.train.seq_len)
     arch = hf_cfg["architectures"][0]
-    datasets = [s[3:].split("@")[0].split(":")[0] for s in cfg.data.sources if s.startswith("hf:")]
+    specs = [s.get("path", "") if isinstance(s, dict) else str(s) for s in cfg.data.sources]
+    datasets = [s[3:].split("#")[0].split("@")[0].split(":")[0] for s in specs
+                if s.startswith("hf:")]  # fmt: skip
     meta = {
         "license": license,
         "library_name": "transformers",
@@ -57,7 +59,7 @@ def model_card(
         f"| training FLOPs (from the model accounting) | {st.get('flops', 0):.4g} |",
         f"| final training loss | {_f(st.get('loss'))} |",
         f"| final validation loss | {_f(st.get('val_loss'))} |",
-        f"| data | {', '.join(cfg.data.sources)} |",
+        f"| data | {', '.join(_source(s) for s in cfg.data.sources)} |",
         f"| layout that trained it | world {st.get('world_size')}, ZeRO-{st.get('zero_stage')}, ep {st.get('ep_size')} |",
         f"| weight files | {len(files)} |",
         "",
@@ -110,6 +112,11 @@ def redacted(d):
     if isinstance(d, list):
         return [redacted(v) for v in d]
     return d
+
+
+def _source(s) -> str:
+    """A data.sources entry as the card lists it: a path, or a mixture entry with its weight."""
+    return f"{s.get('path')} (weight {s.get('weight', 1)})" if isinstance(s, dict) else str(s)
 
 
 def _f(x) -> str:

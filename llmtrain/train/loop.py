@@ -457,6 +457,18 @@ def _load_data(cfg, run_dir, layout, rank, world, local_rank, device) -> _Run:
             f"the training split holds {train_ds.n_seq} sequences of {t.seq_len}, fewer than one "
             f"global batch ({layout.global_batch}); add data or lower train.global_batch_size"
         )
+    epochs = t.max_steps * layout.global_batch / train_ds.n_seq
+    if epochs > 1 and rank == 0:
+        logger.warning(
+            "train.max_steps=%d x %d sequences reads the training split (%d sequences of %d) "
+            "%.2f times: from step %d on sequences repeat, each pass in another seeded order",
+            t.max_steps,
+            layout.global_batch,
+            train_ds.n_seq,
+            t.seq_len,
+            epochs,
+            train_ds.n_seq // layout.global_batch + 1,
+        )
     return _Run(cfg, run_dir, layout, rank, world, device, train_ds, val_ds,
                 data_dir / "tokenizer.json", data_id=data_dir.name)  # fmt: skip
 
