@@ -496,14 +496,13 @@ def load_hf_into(model, path: Path, cfg: ModelConfig, gather=None, partition=Non
     params = dict(model.named_parameters())
     bufs = dict(model.named_buffers())
     whole = gather or (lambda p: contextlib.nullcontext())
-    for ours, src in sources.items():
-        if ours in params or ours in bufs:
-            continue
-        if ".shared_experts." in ours and cfg.n_shared_experts == 0:
-            continue  # transformers writes empty shared-expert tensors when there are none
-        if ours == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        raise ValueError(f"checkpoint {path} has {src[0][0]}, which the model lacks")
+    extra = [src[0][0] for ours, src in sources.items()
+             if ours not in params and ours not in bufs
+             and not (".shared_experts." in ours and cfg.n_shared_experts == 0)  # empty ones
+             and not (ours == "lm_head.weight" and cfg.tie_word_embeddings)]  # fmt: skip
+    if extra:  # every one counted, a few named: a config of another size shows at once
+        raise ValueError(f"checkpoint {path} has {len(extra)} tensor(s) the model lacks, e.g. "
+                         f"{sorted(extra)[:4]}")  # fmt: skip
     missing = [n for n in params if n not in sources]
     if cfg.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
@@ -591,8 +590,10 @@ def _source_rows(model, ours: str, shape, src, read, path: Path):
         by = {(kind, e): hf_name for hf_name, kind, e in src}
         kinds = ("down",) if ours.endswith("w_down") else ("gate", "up")
         for kind in kinds:
-            if any((kind, e) not in by for e in range(off, off + n)):
-                raise ValueError(f"checkpoint {path} lacks {kind} weights of experts of {ours}")
+            gone = [e for e in range(off, off + n) if (kind, e) not in by]
+            if gone:
+                raise ValueError(f"checkpoint {path} lacks the {kind}_proj weights of expert(s) "
+                                 f"{gone[:8]} of {ours.rsplit('.', 1)[0]}")  # fmt: skip
 
         def expert_rows(e: int, i0: int, i1: int) -> torch.Tensor:
             cols = [read(by[k, off + e]).get_slice(by[k, off + e])[:, i0:i1].t() for k in kinds]

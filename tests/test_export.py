@@ -480,3 +480,32 @@ def test_card_lists_mixture_sources_and_pinned_hub_datasets():
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["datasets"] == ["org/web"], meta
     assert "| data | hf:org/web:en@train#abc123 (weight 2), a.jsonl |" in card
+
+
+def test_hf_weights_that_do_not_fit_are_counted_and_named(tmp_path):
+    """Loading an HF checkpoint (from_pretrained, train.init_from): extra tensors are all counted
+    (not only the first named), and a missing expert's index is given."""
+    from llmtrain.errors import LlmtrainError
+    from llmtrain.hf import hf_config_from_model, state_dict_to_hf
+    from llmtrain.model import build_model
+    from llmtrain.tensor_io import write_safetensors
+
+    cfg = load_config(ROOT / "configs" / "debug.yaml").model
+    sd = {k: v.contiguous() for k, v in state_dict_to_hf(build_model(cfg).state_dict(), cfg)}
+    extra = {f"model.layers.1.self_attn.x{i}.weight": torch.zeros(2) for i in range(3)}
+    gone = "model.layers.2.mlp.experts.5.down_proj.weight"
+    assert gone in sd
+    for name, w in (
+        ("extra", {**sd, **extra}),
+        ("gone", {k: v for k, v in sd.items() if k != gone}),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(hf_config_from_model(cfg)))
+        write_safetensors(d / "model.safetensors", w)
+        with pytest.raises(LlmtrainError) as e:
+            llmtrain.from_pretrained(d)
+        if name == "extra":
+            assert "3 tensor(s) the model lacks" in str(e.value) and "x2.weight" in str(e.value)
+        else:
+            assert "down_proj weights of expert(s) [5] of model.layers.2" in str(e.value), e.value
