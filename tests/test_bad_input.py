@@ -354,6 +354,11 @@ def _export_cases():
         (ck2 / "__0_0.distcp").unlink()
         return ["export", str(ck2), "--out", str(t / "o")], ("ck2",)
 
+    def missing_metadata(t, ck):  # DCP's own index: named, not "no tensors.json"
+        ck2 = _copy_ckpt(ck, t / "ck2")
+        (ck2 / ".metadata").unlink()
+        return ["export", str(ck2), "--out", str(t / "o")], ("but no .metadata",)
+
     def missing_index(t, ck):
         ck2 = _copy_ckpt(ck, t / "ck2")
         (ck2 / "tensors.json").unlink()

@@ -31,6 +31,11 @@ def open_checkpoint(path: str | Path) -> ShardedReader | LegacyReader:
         return ShardedReader(ck)
     if is_legacy(ck):
         return LegacyReader(ck)
+    have = [n for n in ("tensors.json", ".metadata") if (ck / n).is_file()]
+    if have:  # a sharded checkpoint with one of its two index files: say which is gone
+        gone = ({"tensors.json", ".metadata"} - set(have)).pop()
+        raise CheckpointError(f"checkpoint {ck} has {have[0]} but no {gone}: it is incomplete "
+                              "or damaged; resume from an earlier checkpoint")  # fmt: skip
     raise CheckpointError(
         f"checkpoint {ck} holds no weights (no tensors.json, no model.safetensors)"
     )
