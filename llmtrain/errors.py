@@ -10,6 +10,9 @@ match. This module imports nothing heavy: the CLI loads it before torch.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class LlmtrainError(Exception):
     """Something the user can fix; the message says what is wrong and what to do.
@@ -25,17 +28,15 @@ class LlmtrainError(Exception):
     same_on_every_node: bool = False
 
 
-class once_a_node:  # noqa: N801 (used as a statement: `with once_a_node():`)
+@contextlib.contextmanager
+def once_a_node() -> Iterator[None]:
     """Marks an LlmtrainError raised inside as `same_on_every_node`: for the checks made before
     any process group from what a node's ranks read alike (files, command line, WORLD_SIZE)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ, e, tb) -> bool:
-        if isinstance(e, LlmtrainError):
-            e.same_on_every_node = True
-        return False
+    try:
+        yield
+    except LlmtrainError as e:
+        e.same_on_every_node = True
+        raise
 
 
 class UsageError(LlmtrainError, ValueError):

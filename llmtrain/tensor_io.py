@@ -27,8 +27,8 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
               "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
 
 
-def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets)."""
+def _header(path: Path) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file, its metadata entry dropped."""
     try:
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -38,7 +38,20 @@ def read_header(path: Path) -> dict:
     except Exception as e:
         raise TensorFileError(f"{path} is corrupt or unreadable: {e}") from e
     header.pop("__metadata__", None)
-    return header
+    return n, header
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets)."""
+    return _header(path)[1]
+
+
+def check_whole(path: Path) -> None:
+    """TensorFileError unless the file holds every byte its header names (a copy cut short)."""
+    n, header = _header(path)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if path.stat().st_size < 8 + n + end:
+        raise TensorFileError(f"{path} is truncated: {path.stat().st_size} bytes of {8 + n + end}")
 
 
 def read_tensors(

@@ -83,12 +83,13 @@ def default_cache_root() -> Path:
 
 def _fingerprint(data_cfg, vocab_size: int) -> str:
     cfg = {k: v for k, v in asdict(data_cfg).items() if k not in NOT_IN_KEY}
+    sources = parse_sources(data_cfg.sources)
     key = {**cfg, "vocab": vocab_size, "v": FORMAT_VERSION}
-    if any(src.spec.startswith("hf:") for src in parse_sources(data_cfg.sources)):
+    if any(src.spec.startswith("hf:") for src in sources):
         key["hf_keys"] = HF_KEYS
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     reached: dict[Path, int] = {}  # each file's real path -> the first source reaching it
-    for i, src in enumerate(parse_sources(data_cfg.sources)):
+    for i, src in enumerate(sources):
         if src.spec.startswith("hf:"):  # a local dataset folder: its files; a Hub name: none
             local = Path(hf_parts(src.spec[3:])[0])
             files = sorted(f for f in local.rglob("*") if f.is_file()) if local.is_dir() else []

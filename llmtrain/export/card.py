@@ -27,6 +27,11 @@ def model_card(
     }
     if datasets:
         meta["datasets"] = datasets
+    mtp_row = [
+        f"| multi-token prediction modules (in the files besides the total, each with a "
+        f"copy of the embedding and head; unused by transformers) | {c.mtp_params:,} |"
+    ]
+    mtp_row = mtp_row if mc.mtp_depth and mtp else []
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
     lines += [
         f"# {arch} trained with llmtrain",
@@ -46,14 +51,7 @@ def model_card(
         "|---|---|",
         f"| total parameters | {c.total_params:,} |",
         f"| active parameters per token | {c.active_params:,} |",
-        *(
-            [
-                f"| multi-token prediction modules (in the files besides the total, each with a copy "
-                f"of the embedding and head; unused by transformers) | {c.mtp_params:,} |"
-            ]
-            if mc.mtp_depth and mtp
-            else []
-        ),  # fmt: skip
+        *mtp_row,
         f"| training steps | {st.get('step')} |",
         f"| tokens seen | {st.get('tokens_seen', 0):,} |",
         f"| training FLOPs (from the model accounting) | {st.get('flops', 0):.4g} |",

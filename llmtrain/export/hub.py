@@ -19,17 +19,11 @@ class HubError(LlmtrainError, RuntimeError):
 def _check_complete(folder: Path) -> None:
     """Every weight file the export names is there, whole: a push deletes the Hub's earlier
     weight files (delete_patterns), so an incomplete folder would break a good repository."""
-    from llmtrain.tensor_io import TensorFileError, read_header, tensor_files
+    from llmtrain.tensor_io import TensorFileError, check_whole, tensor_files
 
     try:
-        files = sorted(set(tensor_files(folder, "model").values()))
-        for f in files:
-            h = read_header(folder / f)
-            with open(folder / f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-            end = max((v["data_offsets"][1] for v in h.values()), default=0)
-            if (folder / f).stat().st_size < 8 + n + end:
-                raise TensorFileError(f"{folder / f} is truncated")
+        for f in sorted(set(tensor_files(folder, "model").values())):
+            check_whole(folder / f)
     except (TensorFileError, OSError) as e:
         raise HubError(
             f"{folder} is not a complete export ({e}); nothing was pushed; export "
